@@ -1,0 +1,154 @@
+"""The LightningCLI every task runs: ``python -m tasks.<task> {fit,validate,test,predict}``.
+
+Defaults shared by all tasks (each overridable from YAML or the command line):
+- the task's demo recipe when no ``--config`` is given;
+- a WandbLogger (project ``suite-<task>``), offline unless an API key is configured,
+  writing under ``trainer.default_root_dir``; the resolved config goes into the run;
+- ModelCheckpoint on the task's main metric plus ``last.ckpt`` (``--checkpoint.*``);
+- a per-step learning-rate monitor and a rich progress bar;
+- a fixed seed.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from netrc import netrc
+from pathlib import Path
+from typing import Sequence
+
+import yaml
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_info
+
+import configs
+
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+def wandb_has_credentials() -> bool:
+    """True when wandb could log online: an API key in the environment or in ~/.netrc."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, OSError, Exception):
+        return False
+
+
+def recipe_path(task: str, name: str) -> Path:
+    """Path of a shipped recipe, e.g. ``recipe_path("classify", "demo_mobilevitv2.yaml")``."""
+    return Path(configs.__file__).parent / task / name
+
+
+class SaveConfigToRun(SaveConfigCallback):
+    """Store the resolved config with the run: ``config.yaml`` in the wandb run's files
+    (synced with it) and the values as wandb config; with no wandb logger, in the
+    checkpoint directory. Overwrites, so re-running a command never aborts."""
+
+    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if trainer.global_rank != 0:
+            return
+        text = self.parser.dump(self.config, skip_none=False)
+        logger = trainer.logger
+        if isinstance(logger, WandbLogger):
+            (Path(logger.experiment.dir) / "config.yaml").write_text(text)
+            logger.experiment.config.update(yaml.safe_load(text), allow_val_change=True)
+        else:
+            target = Path(trainer.log_dir or trainer.default_root_dir)
+            target.mkdir(parents=True, exist_ok=True)
+            (target / "config.yaml").write_text(text)
+
+
+class SuiteCLI(LightningCLI):
+    """LightningCLI with the suite's defaults. ``links`` maps datamodule attributes to model
+    arguments that must come from the data (``{"num_classes": "num_classes"}``)."""
+
+    def __init__(self, model_class: type[LightningModule], datamodule_class: type[LightningDataModule], *,
+                 task: str, default_config: str, monitor: str, mode: str = "max",
+                 links: dict[str, str] | None = None, args: Sequence[str] | None = None, run: bool = True):
+        self.task = task
+        self.monitor = monitor
+        self.mode = mode
+        self.links = links or {}
+        args = list(sys.argv[1:] if args is None else args)
+        super().__init__(
+            model_class,
+            datamodule_class,
+            save_config_callback=SaveConfigToRun,
+            save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
+            trainer_defaults=self._trainer_defaults(task),
+            seed_everything_default=0,
+            args=with_default_config(args, recipe_path(task, default_config)),
+            run=run,
+        )
+
+    @staticmethod
+    def _trainer_defaults(task: str) -> dict:
+        return {
+            "default_root_dir": f"runs/{task}",
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.WandbLogger",
+                "init_args": {"project": f"suite-{task}", "offline": not wandb_has_credentials()},
+            },
+            "callbacks": [
+                {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
+                {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor",
+                 "init_args": {"logging_interval": "step"}},
+            ],
+        }
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({
+            "checkpoint.monitor": self.monitor,
+            "checkpoint.mode": self.mode,
+            "checkpoint.save_last": True,
+            "checkpoint.filename": "best-{epoch:03d}-{step}",
+            "checkpoint.auto_insert_metric_name": False,
+        })
+        for data_attr, model_arg in self.links.items():
+            parser.link_arguments(f"data.{data_attr}", f"model.{model_arg}", apply_on="instantiate")
+
+    def before_instantiate_classes(self) -> None:
+        # wandb writes under the run's root dir unless the recipe says otherwise
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        logger = config.trainer.logger
+        if getattr(logger, "class_path", "").endswith("WandbLogger") and not logger.init_args.get("save_dir"):
+            Path(config.trainer.default_root_dir).mkdir(parents=True, exist_ok=True)
+            logger.init_args.save_dir = config.trainer.default_root_dir
+
+    def after_fit(self) -> None:
+        trainer = self.trainer
+        if trainer.global_rank != 0:
+            return
+        lines = [f"run directory:    {Path(trainer.default_root_dir).resolve()}"]
+        ckpt = trainer.checkpoint_callback
+        if isinstance(ckpt, ModelCheckpoint):
+            if ckpt.best_model_path:
+                score = f" ({ckpt.monitor}={float(ckpt.best_model_score):.4f})" if ckpt.best_model_score is not None else ""
+                lines.append(f"best checkpoint:  {Path(ckpt.best_model_path).resolve()}{score}")
+            if ckpt.last_model_path:
+                lines.append(f"last checkpoint:  {Path(ckpt.last_model_path).resolve()}")
+        if isinstance(trainer.logger, WandbLogger):
+            run_dir = Path(trainer.logger.experiment.dir).parent
+            lines.append(f"wandb run:        {run_dir}")
+            if trainer.logger.experiment.settings.mode == "offline":
+                lines.append(f"                  offline; upload later with `wandb sync {run_dir}`")
+        rank_zero_info("\n".join(lines))
+
+    def after_test(self) -> None:
+        if self.trainer.global_rank == 0:
+            rank_zero_info(f"predictions:      {(Path(self.trainer.default_root_dir) / 'predictions').resolve()}")
+
+
+def with_default_config(args: list[str], default: Path) -> list[str]:
+    """Insert ``--config <default>`` after the subcommand when the user gave no config."""
+    if any(a == "--config" or a.startswith("--config=") for a in args):
+        return args
+    for i, a in enumerate(args):
+        if a in SUBCOMMANDS:
+            return args[: i + 1] + ["--config", str(default)] + args[i + 1:]
+    return args
