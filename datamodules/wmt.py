@@ -1,0 +1,348 @@
+"""Parallel plain-text translation data (WMT layout) with token-based batching.
+
+``root/{train,valid,test}.{src,tgt}``: one sentence per line, UTF-8, line i of the
+source file translates line i of the target file (``train.en`` / ``train.de``).
+With no ``root`` the demo corpus of :mod:`datamodules.demo_text` is built once and
+read the same way.
+
+Batches hold as many sentences as fit into ``max_tokens`` padded tokens per side
+(``batch size x longest sentence <= max_tokens``, fairseq's convention), built from
+length-sorted sentences so little is padding. Training batches are re-drawn every
+epoch from ``seed + epoch`` (ties in length broken randomly, batch order shuffled);
+evaluation batches are fixed. Under DDP the datamodule shards batches itself:
+training ranks get disjoint batches (the same number on each rank), evaluation ranks
+get disjoint sentences that together cover each sentence exactly once. Run with
+``trainer.use_distributed_sampler=false`` (the recipes set it) so Lightning does not
+shard a second time.
+
+A batch is a dict:
+    ``src`` (B, S) source ids ending in eos, pad-filled;
+    ``tgt_in`` (B, T) bos + target ids (decoder input); ``tgt_out`` (B, T) target ids + eos;
+    ``index`` (B,) line numbers in the split; ``src_text``/``tgt_text`` the raw lines.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from datamodules.demo_text import demo_translation_root
+from datamodules.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, joint_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+# ---------------------------------------------------------------------------------------------
+def read_lines(path: Path) -> list[str]:
+    """Lines of a UTF-8 file (``\\n`` separated, trailing ``\\r`` removed); a byte sequence that
+    is not UTF-8 raises ``ValueError`` naming the file and the 1-based line."""
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ValueError(f"{path}: line {line} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
+
+
+def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]:
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    if len(src) != len(tgt):
+        raise ValueError(f"parallel files differ in length: {src_path} has {len(src)} lines, "
+                         f"{tgt_path} has {len(tgt)} lines")
+    return src, tgt
+
+
+class ParallelText(Dataset):
+    """Tokenized pairs of one split. Item i -> (index, src ids + eos, target ids, raw src, raw tgt)."""
+
+    def __init__(self, src_text: list[str], tgt_text: list[str], tokenizer: Tokenizer, max_positions: int,
+                 *, training: bool, name: str = ""):
+        src_ids = tokenizer.encode(src_text)
+        tgt_ids = tokenizer.encode(tgt_text)
+        # the decoder sees bos + target and predicts target + eos: T = len(target) + 1 positions
+        limit = max_positions - 1
+        keep = list(range(len(src_text)))
+        if training:
+            empty = [i for i in keep if not src_text[i].strip() or not tgt_text[i].strip()]
+            long = [i for i in keep if len(src_ids[i]) > limit or len(tgt_ids[i]) > limit]
+            dropped = set(empty) | set(long)
+            if dropped:
+                log.warning("%s: dropped %d of %d pairs (%d empty, %d longer than %d tokens)", name, len(dropped),
+                            len(keep), len(empty), len(long), limit)
+            keep = [i for i in keep if i not in dropped]
+        else:
+            # every evaluation line is scored; over-long sources are cut, not dropped
+            cut = sum(len(src_ids[i]) > limit for i in keep)
+            if cut:
+                log.warning("%s: %d of %d source lines truncated to %d tokens", name, cut, len(keep), limit)
+        self.index = np.asarray(keep, dtype=np.int64)
+        self.src = [np.asarray(src_ids[i][:limit] + [EOS_ID], dtype=np.int64) for i in keep]
+        self.tgt = [np.asarray(tgt_ids[i][:limit], dtype=np.int64) for i in keep]
+        self.src_text = [src_text[i] for i in keep]
+        self.tgt_text = [tgt_text[i] for i in keep]
+        self.src_lengths = np.asarray([len(s) for s in self.src], dtype=np.int64)
+        self.tgt_lengths = np.asarray([len(t) + 1 for t in self.tgt], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def __getitem__(self, i: int):
+        return int(self.index[i]), self.src[i], self.tgt[i], self.src_text[i], self.tgt_text[i]
+
+    @property
+    def num_tokens(self) -> np.ndarray:
+        """Padded positions a sentence costs in a batch: the longer of its two sides."""
+        return np.maximum(self.src_lengths, self.tgt_lengths)
+
+
+def collate(items) -> dict:
+    index, src, tgt, src_text, tgt_text = zip(*items)
+    b = len(items)
+    src_len = max(len(s) for s in src)
+    tgt_len = max(len(t) for t in tgt) + 1
+    src_ids = torch.full((b, src_len), PAD_ID, dtype=torch.long)
+    tgt_in = torch.full((b, tgt_len), PAD_ID, dtype=torch.long)
+    tgt_out = torch.full((b, tgt_len), PAD_ID, dtype=torch.long)
+    for i, (s, t) in enumerate(zip(src, tgt)):
+        src_ids[i, : len(s)] = torch.from_numpy(s)
+        tgt_in[i, 0] = BOS_ID
+        tgt_in[i, 1 : len(t) + 1] = torch.from_numpy(t)
+        tgt_out[i, : len(t)] = torch.from_numpy(t)
+        tgt_out[i, len(t)] = EOS_ID
+    return {"src": src_ids, "tgt_in": tgt_in, "tgt_out": tgt_out, "index": torch.tensor(index),
+            "src_text": list(src_text), "tgt_text": list(tgt_text)}
+
+
+# ---------------------------------------------------------------------------------------------
+# batching
+# ---------------------------------------------------------------------------------------------
+def pack_by_tokens(order: np.ndarray, num_tokens: np.ndarray, max_tokens: int,
+                   max_sentences: int | None = None) -> list[np.ndarray]:
+    """Cut ``order`` (indices, usually length-sorted) into consecutive batches whose
+    ``len(batch) * max(num_tokens[batch]) <= max_tokens``. A sentence longer than
+    ``max_tokens`` on its own gets a batch of one."""
+    batches, start, longest = [], 0, 0
+    for pos, idx in enumerate(order):
+        n = int(num_tokens[idx])
+        new_longest = max(longest, n)
+        size = pos - start + 1
+        if pos > start and (size * new_longest > max_tokens or (max_sentences and size > max_sentences)):
+            batches.append(order[start:pos])
+            start, new_longest = pos, n
+        longest = new_longest
+    if start < len(order):
+        batches.append(order[start:])
+    return batches
+
+
+class TokenBatchSampler(Sampler[list[int]]):
+    """Length-bucketed batches of at most ``max_tokens`` padded tokens, sharded over ranks.
+
+    ``shuffle=True`` (training): every epoch, a permutation seeded by ``seed + epoch`` breaks
+    length ties before sorting, the packed batches are shuffled, and rank r takes batches
+    r, r + R, ... of the first ``R * floor(n / R)`` (equal step counts on all ranks).
+
+    ``shuffle=False`` (evaluation): sentences, not batches, are dealt out, so rank r
+    evaluates sentences r, r + R, ... of the length-sorted order: every sentence exactly
+    once over all ranks, no padding duplicates.
+    """
+
+    def __init__(self, num_tokens: np.ndarray, max_tokens: int, *, shuffle: bool, seed: int = 0,
+                 num_replicas: int = 1, rank: int = 0, max_sentences: int | None = None):
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
+        self.num_tokens = np.asarray(num_tokens)
+        self.max_tokens = max_tokens
+        self.max_sentences = max_sentences
+        self.shuffle = shuffle
+        self.seed = seed
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+        self._cached: tuple[int, list[np.ndarray]] | None = None
+        # Lightning calls ``set_epoch`` on ``dataloader.batch_sampler.sampler``
+        self.sampler = self
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def batches(self) -> list[np.ndarray]:
+        """This rank's batches (arrays of dataset indices) for the current epoch."""
+        if self._cached is None or self._cached[0] != self.epoch:
+            self._cached = (self.epoch, self._make_batches())
+        return self._cached[1]
+
+    def _make_batches(self) -> list[np.ndarray]:
+        n = len(self.num_tokens)
+        if not self.shuffle:
+            order = np.argsort(self.num_tokens, kind="stable")[self.rank :: self.num_replicas]
+            return pack_by_tokens(order, self.num_tokens, self.max_tokens, self.max_sentences)
+        rng = np.random.default_rng([self.seed, self.epoch])
+        perm = rng.permutation(n)
+        order = perm[np.argsort(self.num_tokens[perm], kind="stable")]
+        batches = pack_by_tokens(order, self.num_tokens, self.max_tokens, self.max_sentences)
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+        usable = len(batches) // self.num_replicas * self.num_replicas
+        return batches[self.rank : usable : self.num_replicas]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter([b.tolist() for b in self.batches()])
+
+    def __len__(self) -> int:
+        return len(self.batches())
+
+
+# ---------------------------------------------------------------------------------------------
+# the datamodule
+# ---------------------------------------------------------------------------------------------
+class TranslationDataModule(LightningDataModule):
+    """WMT-style parallel text with a joint sentencepiece vocabulary.
+
+    Args:
+        root: folder with ``{train,valid,test}.{src_lang,tgt_lang}``; ``None`` builds the
+            demo corpus (pycountry/babel translations) for the language pair.
+        src_lang, tgt_lang: file suffixes of the two sides.
+        vocab_size: size of the joint sentencepiece model (an upper bound for tiny corpora).
+        spm_model_type: ``unigram`` or ``bpe``.
+        character_coverage: sentencepiece's share of characters kept as pieces (1.0 for
+            small corpora, 0.9999 for WMT-sized ones).
+        max_tokens: padded tokens per side per batch and device (see the recipes for the
+            rule that keeps tokens per optimizer step constant over device counts).
+        eval_max_tokens: the same for validation/test (default: ``max_tokens``).
+        max_positions: the longest sequence the model accepts (bos/eos included);
+            longer training pairs are dropped (counted in the log), longer evaluation
+            sources truncated.
+        predict_file: text file (or ``-`` for standard input) that ``predict`` translates.
+        predict_batch_size: sentences per ``predict`` batch (kept in file order).
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        src_lang: str = "en",
+        tgt_lang: str = "de",
+        vocab_size: int = 8000,
+        spm_model_type: str = "unigram",
+        character_coverage: float = 1.0,
+        max_tokens: int = 4096,
+        eval_max_tokens: int | None = None,
+        max_positions: int = 256,
+        num_workers: int = 0,
+        seed: int = 0,
+        train_split: str = "train",
+        valid_split: str = "valid",
+        test_split: str = "test",
+        predict_file: str | None = None,
+        predict_batch_size: int = 32,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.src_lang, self.tgt_lang = src_lang, tgt_lang
+        self.max_tokens = max_tokens
+        self.eval_max_tokens = eval_max_tokens or max_tokens
+        self.max_positions = max_positions
+        self.num_workers = num_workers
+        self.seed = seed
+        self.splits = {"fit": train_split, "validate": valid_split, "test": test_split}
+        self.predict_file = predict_file
+        self.predict_batch_size = predict_batch_size
+        self._root = Path(root) if root is not None else None
+        self._tokenizer: Tokenizer | None = None
+        self.datasets: dict[str, ParallelText] = {}
+
+    # -- what the model needs to know, answered right after construction -----------------------
+    @property
+    def root(self) -> Path:
+        if self._root is None:
+            self._root = demo_translation_root(self.src_lang, self.tgt_lang)
+        return self._root
+
+    def files(self, split: str) -> tuple[Path, Path]:
+        return self.root / f"{split}.{self.src_lang}", self.root / f"{split}.{self.tgt_lang}"
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            files = self.files(self.splits["fit"])
+            for f in files:
+                if not f.is_file():
+                    raise FileNotFoundError(f"{f} not found: root must hold {{train,valid,test}}."
+                                            f"{{{self.src_lang},{self.tgt_lang}}}")
+            hp = self.hparams
+            self._tokenizer = joint_tokenizer(files, hp.vocab_size, hp.spm_model_type, hp.character_coverage,
+                                              name=f"spm.{self.src_lang}-{self.tgt_lang}")
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    pad_id, bos_id, eos_id = PAD_ID, BOS_ID, EOS_ID
+
+    # -- splits ----------------------------------------------------------------------------------
+    def dataset(self, split: str, training: bool = False) -> ParallelText:
+        if split not in self.datasets:
+            src, tgt = read_parallel(*self.files(split))
+            self.datasets[split] = ParallelText(src, tgt, self.tokenizer, self.max_positions, training=training,
+                                                name=str(self.files(split)[0].with_suffix("")))
+        return self.datasets[split]
+
+    def setup(self, stage: str) -> None:
+        if self.trainer is not None and self.trainer.world_size > 1 and \
+                self.trainer._accelerator_connector.use_distributed_sampler:
+            raise ValueError("TranslationDataModule shards batches over ranks itself; "
+                             "run with --trainer.use_distributed_sampler=false")
+        if stage == "fit":
+            self.dataset(self.splits["fit"], training=True)
+            self.dataset(self.splits["validate"])
+        elif stage in ("validate", "test"):
+            self.dataset(self.splits[stage])
+
+    def _replicas(self) -> tuple[int, int]:
+        if self.trainer is None:
+            return 1, 0
+        return self.trainer.world_size, self.trainer.global_rank
+
+    def _loader(self, data: ParallelText, shuffle: bool, max_tokens: int) -> DataLoader:
+        replicas, rank = self._replicas()
+        sampler = TokenBatchSampler(data.num_tokens, max_tokens, shuffle=shuffle, seed=self.seed,
+                                    num_replicas=replicas, rank=rank)
+        return DataLoader(data, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.dataset(self.splits["fit"], training=True), True, self.max_tokens)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.dataset(self.splits["validate"]), False, self.eval_max_tokens)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.dataset(self.splits["test"]), False, self.eval_max_tokens)
+
+    def predict_dataloader(self) -> DataLoader:
+        if self.predict_file is None:
+            raise ValueError("predict needs --data.predict_file FILE (or - for standard input)")
+        if self.predict_file == "-":
+            import sys
+
+            lines = [ln.rstrip("\r\n") for ln in sys.stdin]
+        else:
+            lines = read_lines(Path(self.predict_file))
+        data = ParallelText(lines, [""] * len(lines), self.tokenizer, self.max_positions, training=False,
+                            name=self.predict_file)
+        return DataLoader(data, batch_size=self.predict_batch_size, shuffle=False, collate_fn=collate,
+                          num_workers=self.num_workers)
