@@ -77,15 +77,21 @@ class TaskModule(LightningModule):
         path.write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
         return path
 
+    def all_gather_objects(self, items: list) -> list:
+        """Concatenate a per-rank Python list over all ranks (uneven lengths are fine).
+        For what `test` writes: detections, file names, hypotheses."""
+        if self.trainer.world_size == 1 or not torch.distributed.is_initialized():
+            return list(items)
+        gathered: list[list] = [None] * self.trainer.world_size  # type: ignore[list-item]
+        torch.distributed.all_gather_object(gathered, items)
+        return [item for rank_items in gathered for item in rank_items]
+
     # -- logging helpers --------------------------------------------------------------------------
     @property
-    def wandb_run(self):
-        """The wandb run when logging to wandb on rank 0, else ``None`` (so tasks skip media)."""
+    def wandb_logger(self):
+        """The WandbLogger on rank 0, else ``None`` (tasks log media only when it exists)."""
         from lightning.pytorch.loggers import WandbLogger
 
         if self.global_rank != 0:
             return None
-        for logger in self.loggers:
-            if isinstance(logger, WandbLogger):
-                return logger.experiment
-        return None
+        return next((lg for lg in self.loggers if isinstance(lg, WandbLogger)), None)

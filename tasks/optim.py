@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import torch
 import torch.nn as nn
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LRScheduler
 
 _NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
 
@@ -48,22 +48,14 @@ def param_groups(module: nn.Module, no_weight_decay_on_norm_bias: bool = True) -
     return groups
 
 
-class _StepSchedule(LambdaLR):
-    """A LambdaLR whose lambda is a method, so it survives state_dict round trips and pickling."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, last_epoch: int = -1):
-        super().__init__(optimizer, lr_lambda=[self._factor_for(i) for i in range(len(optimizer.param_groups))],
-                         last_epoch=last_epoch)
-
-    def _factor_for(self, group_index: int):
-        return lambda step: self.lr_at(step, self.base_lrs[group_index]) / self.base_lrs[group_index]
+class _StepSchedule(LRScheduler):
+    """A schedule given in closed form by ``lr_at(step, base_lr)``; its state is plain numbers."""
 
     def lr_at(self, step: int, base_lr: float) -> float:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def state_dict(self) -> dict:
-        # lambdas are rebuilt at construction; keep only the plain numbers
-        return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_lambdas")}
+    def get_lr(self) -> list[float]:
+        return [self.lr_at(self.last_epoch, base_lr) for base_lr in self.base_lrs]
 
 
 class WarmupCosineLR(_StepSchedule):

@@ -1,0 +1,134 @@
+"""Image classification: ``python -m tasks.classify {fit,validate,test,predict}``.
+
+Top-1/top-5 accuracy with torchmetrics; `test` writes ``predictions/predictions.csv``
+(image, label, prediction, score) and ``predictions/metrics.json``.
+"""
+from __future__ import annotations
+
+import csv
+
+import torch
+import torch.nn.functional as F
+from torchmetrics.classification import MulticlassAccuracy
+
+from backbones import Backbone
+from heads.classifier import ClassifierHead
+from tasks.base import TaskModule
+
+
+class ClassificationTask(TaskModule):
+    """Backbone + :class:`ClassifierHead` trained with (label-smoothed, possibly soft-target) cross-entropy.
+
+    Args:
+        backbone: any image backbone (YAML ``class_path: backbones.MobileViTv2``).
+        class_names: class folder names, linked from the datamodule (label i = ``class_names[i]``).
+        head_dropout: dropout before the classifier.
+        label_smoothing: cross-entropy label smoothing.
+        num_sample_images: images logged to wandb with their predictions each validation epoch.
+        Remaining arguments: see :class:`tasks.base.TaskModule`.
+    """
+
+    def __init__(self, backbone: Backbone, class_names: list[str], head_dropout: float = 0.0,
+                 label_smoothing: float = 0.0, num_sample_images: int = 16, **kwargs):
+        super().__init__(**kwargs)
+        self.backbone = backbone
+        self.class_names = list(class_names)
+        num_classes = len(self.class_names)
+        self.head = ClassifierHead(backbone.num_features, num_classes, head_dropout)
+        self.label_smoothing = label_smoothing
+        self.num_sample_images = num_sample_images
+        top5 = min(5, num_classes)
+        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_top5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
+        self.test_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.test_top5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
+        self._test_rows: list[tuple] = []
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) -> logits (B, num_classes)."""
+        return self.head(self.backbone.forward_pooled(self.to_memory_format(images)))
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # soft targets (MixUp/CutMix) are (B, C) probabilities; cross_entropy takes both forms
+        return F.cross_entropy(logits.float(), target, label_smoothing=self.label_smoothing)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if batch["skipped"]:
+            self.log("data/skipped_images", float(batch["skipped"]), on_step=False, on_epoch=True, reduce_fx="sum")
+        loss = self._loss(self(batch["image"]), batch["target"])
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def _eval_step(self, batch: dict, stage: str, top1, top5) -> torch.Tensor:
+        logits = self(batch["image"])
+        target = batch["target"]
+        loss = self._loss(logits, target)
+        top1.update(logits, target)
+        top5.update(logits, target)
+        self.log(f"{stage}/loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=len(target))
+        return logits
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        logits = self._eval_step(batch, "val", self.val_top1, self.val_top5)
+        self.log("val/top1", self.val_top1, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("val/top5", self.val_top5, on_step=False, on_epoch=True)
+        if batch_idx == 0:
+            self._log_samples(batch["image"], logits, batch["target"])
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        logits = self._eval_step(batch, "test", self.test_top1, self.test_top5)
+        scores, preds = logits.float().softmax(-1).max(-1)
+        self._test_rows += zip(batch["index"].tolist(), batch["target"].tolist(), preds.tolist(), scores.tolist())
+
+    def on_test_epoch_start(self) -> None:
+        self._test_rows = []
+
+    def on_test_epoch_end(self) -> None:
+        metrics = {"test/top1": self.test_top1.compute(), "test/top5": self.test_top5.compute()}
+        self.log_dict(metrics)
+        self.test_top1.reset()
+        self.test_top5.reset()
+        rows = sorted(self.all_gather_objects(self._test_rows))
+        if self.global_rank != 0:
+            return
+        dataset = self.trainer.datamodule.test_set
+        self.predictions_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.predictions_dir / "predictions.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["image", "label", "prediction", "score"])
+            for index, target, pred, score in rows:
+                path = dataset.samples[index][0].relative_to(dataset.root)
+                writer.writerow([path.as_posix(), self.class_names[target], self.class_names[pred], f"{score:.6f}"])
+        loss = self.trainer.callback_metrics.get("test/loss")
+        self.write_metrics_json({**metrics, **({"test/loss": loss} if loss is not None else {})})
+
+    def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
+        scores, preds = self(batch["image"]).float().softmax(-1).max(-1)
+        return [{"index": i, "prediction": self.class_names[p], "score": s}
+                for i, p, s in zip(batch["index"].tolist(), preds.tolist(), scores.tolist())]
+
+    def _log_samples(self, images: torch.Tensor, logits: torch.Tensor, target: torch.Tensor) -> None:
+        logger = self.wandb_logger
+        if logger is None or self.num_sample_images <= 0 or self.trainer.sanity_checking:
+            return
+        n = min(self.num_sample_images, len(images))
+        shown = images[:n].float()
+        lo = shown.amin(dim=(1, 2, 3), keepdim=True)
+        hi = shown.amax(dim=(1, 2, 3), keepdim=True)
+        shown = ((shown - lo) / (hi - lo).clamp_min(1e-6)).cpu()
+        preds = logits[:n].argmax(-1).tolist()
+        captions = [f"pred {self.class_names[p]} / true {self.class_names[t]}"
+                    for p, t in zip(preds, target[:n].tolist())]
+        logger.log_image("val/samples", list(shown), caption=captions)
+
+
+def main(args=None) -> None:
+    from datamodules.imagefolder import ImageFolderDataModule
+    from tasks.cli import SuiteCLI
+
+    SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
+             monitor="val/top1", links={"classes": "class_names"}, args=args)
+
+
+if __name__ == "__main__":
+    main()

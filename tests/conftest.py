@@ -1,0 +1,52 @@
+"""Shared test set-up: no network (wandb offline, albumentations quiet), one demo-data
+cache per session, and a helper that runs a task's CLI in a clean subprocess."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def demo_cache(tmp_path_factory) -> Path:
+    """Demo datasets are built once per test session into a private cache."""
+    path = Path(os.environ.get("SUITE_TEST_DATA_CACHE") or tmp_path_factory.mktemp("demo-cache"))
+    os.environ["SUITE_DATA_CACHE"] = str(path)
+    return path
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment for a CLI subprocess: distributed-launch variables removed (an
+    in-process launch leaves MASTER_PORT & co behind), network-free defaults set."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
+                        "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS")}
+    env.update({"WANDB_MODE": "offline", "NO_ALBUMENTATIONS_UPDATE": "1", "WANDB_SILENT": "true",
+                "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2")})
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def run_cli(tmp_path):
+    """``run_cli("classify", "fit", "--trainer.max_steps", "2")`` runs ``python -m tasks.classify``
+    in ``tmp_path`` and returns the CompletedProcess; a non-zero exit fails with the output."""
+
+    def run(task: str, *args: str, check: bool = True, timeout: float = 600, env: dict | None = None):
+        proc = subprocess.run([sys.executable, "-m", f"tasks.{task}", *args], cwd=tmp_path, env=clean_env(**(env or {})),
+                              capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            pytest.fail(f"tasks.{task} {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
+                        f"\n--- stderr\n{proc.stderr[-6000:]}")
+        return proc
+
+    return run
