@@ -73,7 +73,11 @@ class SuiteCLI(LightningCLI):
         self.monitor = monitor
         self.mode = mode
         self.links = links or {}
-        args = list(sys.argv[1:] if args is None else args)
+        default = recipe_path(task, default_config)
+        if args is None:  # from the command line: edit argv so LightningCLI sees one source of args
+            sys.argv[1:] = with_default_config(sys.argv[1:], default)
+        else:
+            args = with_default_config(list(args), default)
         super().__init__(
             model_class,
             datamodule_class,
@@ -81,7 +85,8 @@ class SuiteCLI(LightningCLI):
             save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
             trainer_defaults=self._trainer_defaults(task),
             seed_everything_default=0,
-            args=with_default_config(args, recipe_path(task, default_config)),
+            auto_configure_optimizers=False,  # optimizer/scheduler are model arguments
+            args=args,
             run=run,
         )
 

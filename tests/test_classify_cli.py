@@ -1,0 +1,50 @@
+"""The classification CLI end to end, in subprocesses, on a slice of the digits demo."""
+import csv
+import json
+from pathlib import Path
+
+import yaml
+
+TINY = ["--trainer.max_steps", "6", "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "3",
+        "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "1", "--data.batch_size", "16",
+        "--data.num_workers", "0", "--data.image_size", "32", "--data.eval_resize", "32",
+        "--model.scheduler.init_args.warmup_steps", "2"]
+
+
+def test_fit_then_test_writes_checkpoints_wandb_run_predictions_and_metrics(run_cli, tmp_path):
+    fit = run_cli("classify", "fit", *TINY)
+    root = tmp_path / "runs" / "classify"
+    assert "best checkpoint:" in fit.stdout + fit.stderr
+    ckpts = sorted(root.rglob("*.ckpt"))
+    names = {p.name for p in ckpts}
+    assert "last.ckpt" in names and any(n.startswith("best-") for n in names), names
+    # wandb wrote an offline run under the run directory, holding the resolved config
+    run_dirs = list((root / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 1, list(root.rglob("*"))[:20]
+    config = yaml.safe_load((run_dirs[0] / "files" / "config.yaml").read_text())
+    assert config["model"]["backbone"]["class_path"].endswith("MobileViTv2")
+    assert config["model"]["class_names"][0] == "0_zero"  # linked from the data
+
+    last = next(p for p in ckpts if p.name == "last.ckpt")
+    run_cli("classify", "test", "--ckpt_path", str(last), *TINY)
+    predictions = root / "predictions"
+    metrics = json.loads((predictions / "metrics.json").read_text())
+    assert set(metrics) >= {"test/top1", "test/top5"}
+    assert 0.0 <= metrics["test/top1"] <= metrics["test/top5"] <= 1.0
+    with open(predictions / "predictions.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3 * 16  # limit_test_batches x batch size, each image once
+    assert Path(rows[0]["image"]).parts[0] == "test"
+    top1 = sum(r["label"] == r["prediction"] for r in rows) / len(rows)
+    assert abs(top1 - metrics["test/top1"]) < 1e-6  # the file holds what was scored
+
+
+def test_second_run_in_the_same_directory_does_not_abort(run_cli):
+    run_cli("classify", "fit", *TINY, "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1")
+    run_cli("classify", "fit", *TINY, "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1")
+
+
+def test_missing_root_is_reported_with_the_expected_layout(run_cli, tmp_path):
+    proc = run_cli("classify", "validate", "--data.root", str(tmp_path / "imagenet"), check=False)
+    assert proc.returncode != 0
+    assert "expected" in proc.stderr and "imagenet/train/<class>/<image>" in proc.stderr
