@@ -1,0 +1,259 @@
+"""SSDLite: the single-shot detector head that MobileViT (v1 and v2) is evaluated with.
+
+Structure (Sandler et al., MobileNetV2, sec. 6.3; the MobileViT papers' COCO setting):
+
+- pyramid: the backbone's maps at strides 16 and 32, then separable (depthwise 3x3 +
+  pointwise, each with BN, ReLU after the pointwise) stride-2 layers to strides 64, 128,
+  256, then a global-average-pooled 1x1 map (stride ``-1`` below);
+- per level: a 1x1 projection (conv + BN + ReLU) to ``proj_channels`` (skipped when the
+  channels already match and on the 1x1 level) and one separable 3x3 conv predicting
+  ``anchors * (4 + classes + 1)`` values per location (a plain 1x1 conv on the 1x1 level);
+- anchors (:mod:`heads.anchors`), box coding (:mod:`heads.box_coder`), matching
+  (:mod:`heads.matcher`), the multibox loss and the post-processing below.
+
+Classes are the dataset's contiguous labels ``0 .. num_classes - 1``; the head adds the
+background class internally (index 0 of its logits) and never exposes it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.ops import batched_nms, box_convert
+
+from heads.anchors import SSDAnchorGenerator
+from heads.box_coder import SSDBoxCoder
+from heads.matcher import SSDMatcher
+
+GLOBAL_LEVEL = -1  #: the output stride that names the global-average-pooled 1x1 level
+
+
+class SeparableConv(nn.Sequential):
+    """Depthwise kxk conv + BN, then pointwise 1x1 conv (+ BN + ReLU when ``norm_act``)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3, stride: int = 1,
+                 norm_act: bool = True):
+        super().__init__(
+            nn.Conv2d(in_channels, in_channels, kernel_size, stride, kernel_size // 2, groups=in_channels, bias=False),
+            nn.BatchNorm2d(in_channels),
+            nn.Conv2d(in_channels, out_channels, 1, bias=not norm_act),
+        )
+        if norm_act:
+            self.append(nn.BatchNorm2d(out_channels))
+            self.append(nn.ReLU())
+
+
+def conv_bn_relu(in_channels: int, out_channels: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, bias=False), nn.BatchNorm2d(out_channels), nn.ReLU())
+
+
+class SSDLiteHead(nn.Module):
+    """Extra pyramid levels, per-level predictors, anchors, loss and post-processing.
+
+    Args:
+        feature_channels: the backbone's ``{stride: channels}``; it must provide every stride of
+            ``output_strides`` up to its deepest one (e.g. 16 and 32); deeper levels are built here.
+        num_classes: object classes, background excluded.
+        output_strides: pyramid levels, ascending, ``-1`` for the global 1x1 level (last).
+        proj_channels: channels of each level's projection (and of each extra level).
+        aspect_ratios: anchor aspect ratios per level (see :class:`SSDAnchorGenerator`).
+        min_scale, max_scale: anchor scale range, fractions of the image side.
+        center_variance, size_variance: SSD box-coding variances.
+        iou_threshold: IoU for an anchor to match a ground truth.
+        neg_pos_ratio: hard negatives kept per positive anchor in the classification loss.
+        score_threshold, topk_candidates, nms_threshold, detections_per_image: post-processing.
+
+    ``forward(features)`` takes the backbone's dict and returns ``(cls_logits (B, A, num_classes + 1),
+    box_regression (B, A, 4), anchors (A, 4))``; see :meth:`loss` and :meth:`postprocess`.
+    """
+
+    def __init__(self, feature_channels: dict[int, int], num_classes: int,
+                 output_strides: Sequence[int] = (16, 32, 64, 128, 256, GLOBAL_LEVEL),
+                 proj_channels: Sequence[int] = (512, 256, 256, 128, 128, 64),
+                 aspect_ratios: Sequence[Sequence[float]] = ((2, 3),) * 5 + ((2,),),
+                 min_scale: float = 0.1, max_scale: float = 1.05,
+                 center_variance: float = 0.1, size_variance: float = 0.2, iou_threshold: float = 0.5,
+                 neg_pos_ratio: float = 3.0, score_threshold: float = 0.01, topk_candidates: int = 400,
+                 nms_threshold: float = 0.5, detections_per_image: int = 200):
+        super().__init__()
+        output_strides = [int(s) for s in output_strides]
+        if not (len(output_strides) == len(proj_channels) == len(aspect_ratios)):
+            raise ValueError(f"output_strides ({len(output_strides)}), proj_channels ({len(proj_channels)}) and "
+                             f"aspect_ratios ({len(aspect_ratios)}) need one entry per pyramid level")
+        from_backbone = [s for s in output_strides if s in feature_channels]
+        if not from_backbone:
+            raise ValueError(f"none of the head's strides {output_strides} is among the backbone's "
+                             f"{sorted(feature_channels)}; give the backbone a pyramid (e.g. pyramid_strides)")
+        missing = [s for s in output_strides if s != GLOBAL_LEVEL and s not in feature_channels and s < max(from_backbone)]
+        if missing:
+            raise ValueError(f"the backbone has no stride {missing} (it has {sorted(feature_channels)}); "
+                             "levels past the backbone's deepest are built by the head, shallower ones are not")
+        self.num_classes = num_classes
+        self.output_strides = output_strides
+        self.backbone_strides = from_backbone
+
+        # extra levels: each one from the level before it
+        self.extra_layers = nn.ModuleDict()
+        level_channels, channels = [], None
+        for stride, proj in zip(output_strides, proj_channels):
+            if stride in feature_channels:
+                channels = feature_channels[stride]
+            elif stride == GLOBAL_LEVEL:
+                self.extra_layers[self._key(stride)] = nn.Sequential(
+                    nn.AdaptiveAvgPool2d(1), nn.Conv2d(channels, proj, 1, bias=False), nn.ReLU())
+                channels = proj
+            else:
+                self.extra_layers[self._key(stride)] = SeparableConv(channels, proj, stride=2)
+                channels = proj
+            level_channels.append(channels)
+
+        self.anchor_generator = SSDAnchorGenerator(aspect_ratios, min_scale, max_scale)
+        outputs_per_anchor = 4 + num_classes + 1
+        self.predictors = nn.ModuleList()
+        for stride, in_ch, proj, n_anchors in zip(output_strides, level_channels, proj_channels,
+                                                 self.anchor_generator.num_anchors_per_location):
+            if stride == GLOBAL_LEVEL:
+                predictor = nn.Conv2d(in_ch, n_anchors * outputs_per_anchor, 1)
+            else:
+                project = conv_bn_relu(in_ch, proj) if proj != in_ch else nn.Identity()
+                predictor = nn.Sequential(project, SeparableConv(proj, n_anchors * outputs_per_anchor,
+                                                                 norm_act=False))
+            self.predictors.append(predictor)
+
+        self.box_coder = SSDBoxCoder(center_variance, size_variance)
+        self.matcher = SSDMatcher(iou_threshold)
+        self.neg_pos_ratio = neg_pos_ratio
+        self.score_threshold = score_threshold
+        self.topk_candidates = topk_candidates
+        self.nms_threshold = nms_threshold
+        self.detections_per_image = detections_per_image
+        self.reset_parameters()
+
+    @staticmethod
+    def _key(stride: int) -> str:
+        return "global" if stride == GLOBAL_LEVEL else f"stride{stride}"
+
+    def reset_parameters(self) -> None:
+        for module in [self.extra_layers, self.predictors]:
+            for m in module.modules():
+                if isinstance(m, nn.Conv2d):
+                    nn.init.xavier_uniform_(m.weight)
+                    if m.bias is not None:
+                        nn.init.zeros_(m.bias)
+
+    # -- network ----------------------------------------------------------------------------------
+    def pyramid(self, features: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """The backbone's maps plus the extra levels, one (B, C_k, H_k, W_k) map per output stride."""
+        maps = []
+        for stride in self.output_strides:
+            maps.append(features[stride] if stride in self.backbone_strides
+                        else self.extra_layers[self._key(stride)](maps[-1]))
+        return maps
+
+    def forward(self, features: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        maps = self.pyramid(features)
+        batch = maps[0].shape[0]
+        outputs = [predict(x).permute(0, 2, 3, 1).reshape(batch, -1, 4 + self.num_classes + 1)
+                   for predict, x in zip(self.predictors, maps)]
+        outputs = torch.cat(outputs, dim=1)
+        anchors = self.anchor_generator([m.shape[-2:] for m in maps], device=outputs.device)
+        box_regression, cls_logits = outputs.split([4, self.num_classes + 1], dim=-1)
+        return cls_logits, box_regression, anchors
+
+    # -- training ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def assign_targets(self, targets: Sequence[dict[str, torch.Tensor]], anchors: torch.Tensor,
+                       image_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Match anchors to each image's boxes.
+
+        Args:
+            targets: per image ``{"boxes": (G, 4) x1y1x2y2 in input pixels, "labels": (G,) in 0..num_classes-1}``.
+            anchors: (A, 4) ``cx, cy, w, h`` normalised.
+            image_size: ``(height, width)`` of the network input.
+
+        Returns:
+            ``(labels (B, A) long with 0 = background and k + 1 for class k, box codes (B, A, 4) float32)``.
+        """
+        height, width = image_size
+        scale = anchors.new_tensor([width, height, width, height])
+        anchor_boxes = box_convert(anchors, "cxcywh", "xyxy")
+        all_labels, all_codes = [], []
+        for target in targets:
+            boxes = target["boxes"].float() / scale
+            matches = self.matcher(boxes, anchor_boxes)
+            matched = matches.clamp(min=0)
+            labels = torch.where(matches >= 0, target["labels"].long()[matched] + 1 if len(boxes) else 0,
+                                 torch.zeros_like(matches))
+            codes = (self.box_coder.encode(boxes[matched], anchors) if len(boxes)
+                     else torch.zeros_like(anchors))
+            all_labels.append(labels)
+            all_codes.append(codes)
+        return torch.stack(all_labels), torch.stack(all_codes)
+
+    def loss(self, cls_logits: torch.Tensor, box_regression: torch.Tensor, target_labels: torch.Tensor,
+             target_codes: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Multibox loss: smooth L1 on positive anchors plus cross-entropy on positives and the
+        ``neg_pos_ratio`` times as many hardest negatives per image, both summed and divided by the
+        number of positives in the batch. Computed in float32 even under autocast.
+
+        Shapes: ``cls_logits (B, A, C + 1)``, ``box_regression (B, A, 4)``, ``target_labels (B, A)``,
+        ``target_codes (B, A, 4)``. Returns ``{"loss", "loss_cls", "loss_box"}`` (scalars).
+        """
+        with torch.autocast(cls_logits.device.type, enabled=False):
+            cls_logits, box_regression = cls_logits.float(), box_regression.float()
+            positive = target_labels > 0
+            num_positive = positive.sum()
+            normaliser = num_positive.clamp(min=1).float()
+
+            loss_box = F.smooth_l1_loss(box_regression[positive], target_codes[positive].float(), reduction="sum")
+
+            ce = F.cross_entropy(cls_logits.transpose(1, 2), target_labels, reduction="none")  # (B, A)
+            # hard-negative mining: rank negatives by their loss, keep ratio x positives per image
+            with torch.no_grad():
+                background_loss = -F.log_softmax(cls_logits, dim=-1)[..., 0]
+                background_loss[positive] = -torch.inf
+                rank = background_loss.argsort(dim=1, descending=True).argsort(dim=1)
+                num_negative = (positive.sum(dim=1, keepdim=True) * self.neg_pos_ratio).long()
+                negative = rank < num_negative
+            loss_cls = ce[positive | negative].sum()
+        return {"loss": (loss_box + loss_cls) / normaliser, "loss_cls": loss_cls / normaliser,
+                "loss_box": loss_box / normaliser}
+
+    # -- inference --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def postprocess(self, cls_logits: torch.Tensor, box_regression: torch.Tensor, anchors: torch.Tensor,
+                    image_size: tuple[int, int]) -> list[dict[str, torch.Tensor]]:
+        """Decode, threshold, keep the top ``topk_candidates`` per class, class-wise NMS, keep the
+        best ``detections_per_image`` -- for the whole batch at once (one NMS call, no Python loop
+        over classes or boxes).
+
+        Returns per image ``{"boxes": (D, 4) x1y1x2y2 in input pixels, "scores": (D,), "labels": (D,)
+        in 0..num_classes-1}``, sorted by decreasing score.
+        """
+        height, width = image_size
+        batch, num_anchors, _ = cls_logits.shape
+        scores = F.softmax(cls_logits.float(), dim=-1)[..., 1:]  # (B, A, C)
+        boxes = self.box_coder.decode(box_regression, anchors).clamp(0.0, 1.0)
+        boxes = boxes * boxes.new_tensor([width, height, width, height])  # (B, A, 4)
+
+        k = min(self.topk_candidates, num_anchors)
+        top_scores, top_anchor = scores.topk(k, dim=1)  # (B, k, C)
+        image_index = torch.arange(batch, device=scores.device).view(batch, 1, 1).expand_as(top_anchor)
+        class_index = torch.arange(self.num_classes, device=scores.device).view(1, 1, -1).expand_as(top_anchor)
+        keep = top_scores > self.score_threshold
+        image_index, class_index, cand_scores = image_index[keep], class_index[keep], top_scores[keep]
+        cand_boxes = boxes[image_index, top_anchor[keep]]
+
+        kept = batched_nms(cand_boxes, cand_scores, image_index * self.num_classes + class_index, self.nms_threshold)
+        # `kept` is sorted by score over the whole batch; a stable sort by image keeps that order per image
+        kept = kept[image_index[kept].argsort(stable=True)]
+        kept_image = image_index[kept]
+        counts = torch.bincount(kept_image, minlength=batch)
+        starts = torch.cumsum(counts, 0) - counts
+        rank_in_image = torch.arange(len(kept), device=kept.device) - starts[kept_image]
+        kept = kept[rank_in_image < self.detections_per_image]
+        counts = counts.clamp(max=self.detections_per_image).tolist()
+        return [{"boxes": b, "scores": s, "labels": c} for b, s, c in
+                zip(cand_boxes[kept].split(counts), cand_scores[kept].split(counts), class_index[kept].split(counts))]
