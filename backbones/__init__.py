@@ -7,3 +7,10 @@ from backbones.base import Backbone
 from backbones.registry import create_backbone, get_backbone_class, list_backbones, register_backbone
 
 __all__ = ["Backbone", "create_backbone", "get_backbone_class", "list_backbones", "register_backbone"]
+
+# MobileViT v1/v2 (+ the attention zoo they build on, and checkpoint import)
+from backbones.mobilevit import MobileViT  # noqa: E402
+from backbones.mobilevitv2 import MobileViTv2  # noqa: E402
+from backbones.weights import convert_checkpoint, load_pretrained  # noqa: E402
+
+__all__ += ["MobileViT", "MobileViTv2", "convert_checkpoint", "load_pretrained"]

@@ -302,7 +302,21 @@ class SeparableSelfAttention(Attention):
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
         kv_cache: KVCache | None = None,
+        token_dims: tuple[int, ...] = (1,),
     ) -> Tensor:
+        """``token_dims``: the dims of ``query`` that index tokens, mixed jointly. The default
+        (1,) is the (B, N, D) interface; MobileViTv2 passes a channels-last patch grid
+        (B, N_h, P_h, N_w, P_w, D) with ``token_dims=(1, 3)``, so every pixel position
+        inside a patch attends over all patches without unfolding the map (no copy)."""
+        if token_dims != (1,):
+            if query.shape[-1] != self.dim or key is not None or key_padding_mask is not None or is_causal or kv_cache:
+                raise ValueError("token_dims other than (1,) is for unmasked, non-causal self-attention only")
+            logits, k, v = self.qkv(query).split([1, self.dim, self.dim], dim=-1)
+            logits = logits - logits.amax(dim=token_dims, keepdim=True)
+            weights = logits.exp_()
+            scores = self.attn_drop(weights / weights.sum(dim=token_dims, keepdim=True))
+            context = (k * scores).sum(dim=token_dims, keepdim=True)
+            return self.proj(F.relu(v) * context)
         self._check_args(query, key, is_causal, kv_cache)
         if attn_mask is not None:
             raise ValueError("SeparableSelfAttention has no pairwise scores, so it takes no attn_mask")

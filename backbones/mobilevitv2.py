@@ -1,0 +1,184 @@
+"""MobileViTv2 (Mehta & Rastegari, "Separable Self-attention for Mobile Vision Transformers", 2022).
+
+The architecture of the paper's Table 5, built like apple/ml-cvnets and timm's
+``mobilevitv2_*``, so that their checkpoints load (see ``backbones.weights``)::
+
+    stem      3x3 conv, stride 2                             32w           stride 2
+    stage 1   MV2                                            64w           stride 2
+    stage 2   MV2 (stride 2), MV2                            128w          stride 4
+    stage 3   MV2 (stride 2), MobileViTv2 block, 2 layers    256w  d=128w  stride 8
+    stage 4   MV2 (stride 2), MobileViTv2 block, 4 layers    384w  d=192w  stride 16
+    stage 5   MV2 (stride 2), MobileViTv2 block, 3 layers    512w  d=256w  stride 32
+
+(w: width multiplier, channels rounded to multiples of 8; MV2 expansion 2; 2x2
+patches; FFN ratio 2; GroupNorm with one group over (C, P, N) as the reference code.)
+
+Implementation note (speed). The reference unfolds the map into (B, C, P, N)
+patches and folds it back in every block (two copies) and runs 1x1 convolutions.
+Here the transformer works on the channels-last map (B, H, W, D) itself: linear
+layers act on the last dim, GroupNorm uses its channels-last kernel, and the
+separable attention reduces over the patch-index axes of the free view
+(B, H/2, 2, W/2, 2, D). Every output equals the reference's (tested to 1e-5
+against timm). The backbone converts its input to ``torch.channels_last`` once,
+so the block's NCHW <-> NHWC permutes are views, not copies.
+
+Input sizes: any H, W. Where a MobileViTv2 block's input is not a multiple of
+the patch size, it is resized (bilinear, align_corners=True) up to the next
+multiple and the block's output keeps that size, as the reference does; for
+multiples of 32 (e.g. 256x256) nothing is ever resized.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from backbones.base import Backbone
+from backbones.layers import (
+    ChannelsLastGroupNorm,
+    ConvNormAct,
+    InvertedResidual,
+    dilated_stage_plan,
+    TransformerLayer,
+    make_divisible,
+    resize_to_multiple,
+)
+from backbones.registry import register_backbone
+
+# per stage: (out channels, attention dim or None for a pure MV2 stage, transformer depth, MV2 blocks, stride)
+STAGES_V2 = ((64, None, 0, 1, 1), (128, None, 0, 2, 2), (256, 128, 2, 1, 2), (384, 192, 4, 1, 2), (512, 256, 3, 1, 2))
+
+
+class MobileViTv2Block(nn.Module):
+    """Local 3x3 depthwise conv -> 1x1 to ``attn_dim`` -> transformer layers on
+    2x2 patches -> GroupNorm -> 1x1 conv + BN back to ``channels``.
+
+    (B, C, H, W) -> (B, C, H', W'), H' = H rounded up to the patch size.
+    """
+
+    def __init__(
+        self,
+        channels: int,
+        attn_dim: int,
+        depth: int,
+        patch_size: int = 2,
+        mlp_ratio: float = 2.0,
+        dilation: int = 1,
+        attention: str = "separable",
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        drop_path: float | list[float] = 0.0,
+        num_heads: int = 1,
+        attention_kwargs: dict | None = None,
+    ):
+        super().__init__()
+        self.patch_size = (patch_size, patch_size)
+        rates = drop_path if isinstance(drop_path, (list, tuple)) else [drop_path] * depth
+        self.local_conv = ConvNormAct(channels, channels, 3, groups=channels, dilation=dilation)
+        self.to_tokens = nn.Linear(channels, attn_dim, bias=False)
+        self.transformer = nn.Sequential(
+            *[
+                TransformerLayer(
+                    attn_dim,
+                    int(attn_dim * mlp_ratio) // 16 * 16,  # CVNets rounds the FFN width down to 16
+                    attention,
+                    num_heads,
+                    norm="group",
+                    patch_size=self.patch_size,
+                    dropout=dropout,
+                    attn_dropout=attn_dropout,
+                    drop_path=rate,
+                    attention_kwargs=attention_kwargs,
+                )
+                for rate in rates
+            ]
+        )
+        self.norm = ChannelsLastGroupNorm(1, attn_dim)
+        self.proj = ConvNormAct(attn_dim, channels, 1, act=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = resize_to_multiple(x, self.patch_size, align_corners=True)
+        x = self.local_conv(x)
+        x = self.to_tokens(x.permute(0, 2, 3, 1))  # (B, H, W, D)
+        x = self.norm(self.transformer(x))
+        return self.proj(x.permute(0, 3, 1, 2))
+
+
+@register_backbone("mobilevitv2")
+class MobileViTv2(Backbone):
+    """MobileViTv2 with width multiplier ``width`` (paper: 0.5 to 2.0).
+
+    ``forward(x)``: (B, in_chans, H, W) -> ``{2: .., 4: .., 8: .., 16: .., 32: ..}``,
+    the output of each stage (channels in ``feature_channels``). With
+    ``output_stride`` 16 or 8 the stages beyond it keep the resolution and dilate
+    their depthwise convolutions instead (as CVNets does for segmentation); the
+    dict then stops at ``output_stride``, whose entry is the deepest map.
+
+    ``forward_pooled(x)``: (B, num_features) global average of the last map, the
+    input of the paper's linear classifier. ``pretrained``: a checkpoint path
+    (ours, timm or CVNets; see ``backbones.weights``), loaded at construction.
+
+    ``attention`` swaps the token mixer for any variant of ``backbones.attention``
+    (``num_heads`` and ``attention_kwargs``, e.g. ``{"max_len": 256}``, go to it);
+    the paper's model is the default, "separable".
+    """
+
+    def __init__(
+        self,
+        width: float = 1.0,
+        in_chans: int = 3,
+        output_stride: int = 32,
+        attention: str = "separable",
+        num_heads: int = 1,
+        attention_kwargs: dict | None = None,
+        drop_path_rate: float = 0.0,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        pretrained: str | None = None,
+    ):
+        super().__init__()
+        self.in_chans = in_chans
+        self.width = width
+        stem_chs = make_divisible(min(max(32 * width, 16), 64), 8, min_value=16)
+        self.stem = ConvNormAct(in_chans, stem_chs, 3, stride=2)
+
+        depth_total = sum(s[2] for s in STAGES_V2)
+        rates = torch.linspace(0, drop_path_rate, depth_total).tolist()
+        plan = dilated_stage_plan([s[4] for s in STAGES_V2], output_stride)
+        in_chs = stem_chs
+        self.stages = nn.ModuleList()
+        self.stage_strides = [total for *_, total in plan]
+        self.feature_channels: dict[int, int] = {}
+        for (base_chs, base_attn, depth, n_mv2, _), (stride, first_dilation, dilation, total) in zip(STAGES_V2, plan):
+            out_chs = make_divisible(base_chs * width)
+            blocks: list[nn.Module] = []
+            for i in range(n_mv2):
+                first = i == 0
+                blocks.append(
+                    InvertedResidual(in_chs, out_chs, stride if first else 1, 2.0, first_dilation if first else dilation)
+                )
+                in_chs = out_chs
+            if base_attn:
+                blocks.append(
+                    MobileViTv2Block(
+                        out_chs, make_divisible(base_attn * width), depth, 2, 2.0, dilation, attention, dropout,
+                        attn_dropout, rates[:depth], num_heads, attention_kwargs,
+                    )
+                )
+                rates = rates[depth:]
+            self.stages.append(nn.Sequential(*blocks))
+            self.feature_channels[total] = out_chs  # a dilated stage overwrites its stride's entry
+        self.num_features = in_chs
+
+        if pretrained:
+            from backbones.weights import load_pretrained
+
+            load_pretrained(self, pretrained)
+
+    def forward(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
+        self.check_input(x)
+        x = self.stem(x.contiguous(memory_format=torch.channels_last))
+        features = {}
+        for stride, stage in zip(self.stage_strides, self.stages):
+            x = stage(x)
+            features[stride] = x
+        return features
