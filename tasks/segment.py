@@ -1,0 +1,218 @@
+"""Semantic segmentation: ``python -m tasks.segment {fit,validate,test,predict}``.
+
+A backbone's feature pyramid feeds a DeepLabv3 or PSPNet head; cross-entropy with
+the ignore label (plus the auxiliary head's loss, weight 0.4, when it is on).
+
+Scores follow DESIGN.md: one dataset-wide confusion matrix over every evaluated
+pixel at the original resolution (ignore label excluded), per-class IoU
+``TP / (TP + FP + FN)``, mIoU = mean over the classes whose union is non-empty
+(mmsegmentation / CVNets), pixel accuracy = trace / total. Evaluation feeds one
+image per step (resized by the datamodule), upsamples its logits to the original
+size and counts every image once under DDP (the datamodule's unrepeated sampler),
+so 1-process and N-process numbers are the same.
+
+`test` writes ``predictions/masks/<stem>.png`` (original size, the dataset's own
+label encoding) and ``predictions/metrics.json``; `predict` writes
+``predictions/predict/{masks,overlays}/``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torchmetrics.classification import MulticlassConfusionMatrix
+
+from backbones import Backbone
+from heads.deeplabv3 import DeepLabV3
+from heads.seg_common import SegmentationHead
+from tasks.base import TaskModule
+
+IGNORE_INDEX = 255
+
+#: builds a head from ``(backbone.feature_channels, num_classes)``; YAML: ``class_path: heads.pspnet.PSPNet``
+HeadFactory = Callable[[dict[int, int], int], SegmentationHead]
+
+
+def confusion_scores(confmat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Scores of a (K, K) confusion matrix (rows: truth, columns: prediction).
+
+    Returns ``iou`` (K,) with NaN where a class is in neither truth nor prediction,
+    ``miou`` (mean over the other classes), ``pixel_acc`` and ``present`` (K,) bool.
+    """
+    confmat = confmat.double()
+    tp = confmat.diagonal()
+    union = confmat.sum(0) + confmat.sum(1) - tp
+    present = union > 0
+    iou = torch.where(present, tp / union.clamp_min(1), torch.full_like(tp, float("nan")))
+    total = confmat.sum()
+    return {
+        "iou": iou,
+        "miou": iou[present].mean() if present.any() else torch.tensor(float("nan"), dtype=torch.float64),
+        "pixel_acc": tp.sum() / total if total > 0 else torch.tensor(float("nan"), dtype=torch.float64),
+        "present": present,
+    }
+
+
+class SegmentationMetric(MulticlassConfusionMatrix):
+    """Dataset-wide confusion matrix (torchmetrics sums it over updates and ranks);
+    :meth:`scores` turns it into IoU/mIoU/pixel accuracy with :func:`confusion_scores`.
+
+    ``update(preds, target)``: (N, H, W) int labels; target pixels equal to ``ignore_index`` are skipped.
+    """
+
+    def __init__(self, num_classes: int, ignore_index: int = IGNORE_INDEX):
+        super().__init__(num_classes=num_classes, ignore_index=ignore_index, normalize="none")
+
+    def scores(self) -> dict[str, torch.Tensor]:
+        return confusion_scores(self.compute())
+
+
+class SegmentationTask(TaskModule):
+    """Backbone + segmentation head, trained with pixel-wise cross-entropy.
+
+    Args:
+        backbone: any image backbone (YAML ``class_path: backbones.MobileViTv2``; its
+            ``output_stride`` sets the head's resolution).
+        class_names: linked from the datamodule; label i is ``class_names[i]``.
+        head: builds the head from ``(feature_channels, num_classes)`` (YAML ``class_path:
+            heads.deeplabv3.DeepLabV3`` / ``heads.pspnet.PSPNet`` with their other arguments);
+            ``None`` is a default DeepLabV3.
+        ignore_index: label excluded from the loss and the scores.
+        aux_weight: weight of the auxiliary head's loss (used when the head has one).
+        num_sample_images: validation images logged to wandb with prediction / truth masks each epoch.
+        Remaining arguments: see :class:`tasks.base.TaskModule`.
+    """
+
+    def __init__(self, backbone: Backbone, class_names: list[str], head: HeadFactory | None = None,
+                 ignore_index: int = IGNORE_INDEX, aux_weight: float = 0.4, num_sample_images: int = 4, **kwargs):
+        super().__init__(**kwargs)
+        self.backbone = backbone
+        self.class_names = list(class_names)
+        num_classes = len(self.class_names)
+        self.head = (head or DeepLabV3)(dict(backbone.feature_channels), num_classes)
+        self.ignore_index = ignore_index
+        self.aux_weight = aux_weight
+        self.num_sample_images = num_sample_images
+        self.val_metric = SegmentationMetric(num_classes, ignore_index)
+        self.test_metric = SegmentationMetric(num_classes, ignore_index)
+        self._samples: list[dict] = []
+
+    # -- model ----------------------------------------------------------------------------------------------
+    def forward(self, images: torch.Tensor, size: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+        """(B, 3, H, W) -> ``{"out": (B, K, *size)}`` (+ ``"aux"`` while training), logits upsampled
+        bilinearly to ``size`` (default: the input's H, W)."""
+        size = tuple(size) if size is not None else tuple(images.shape[-2:])
+        out = self.head(self.backbone(self.to_memory_format(images)))
+        return {k: F.interpolate(v, size=size, mode="bilinear", align_corners=False) for k, v in out.items()}
+
+    def _loss(self, logits: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits["out"].float(), target, ignore_index=self.ignore_index)
+        if "aux" in logits:
+            loss = loss + self.aux_weight * F.cross_entropy(logits["aux"].float(), target,
+                                                             ignore_index=self.ignore_index)
+        return loss
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(self(batch["image"]), batch["mask"])
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["image"]))
+        return loss
+
+    # -- evaluation (one image per step, scored at its original size) -------------------------------------------
+    def _evaluate(self, batch: dict, stage: str, metric: SegmentationMetric) -> torch.Tensor:
+        target = batch["mask"]
+        logits = self(batch["image"], size=target.shape[-2:])["out"]
+        preds = logits.argmax(1)
+        metric.update(preds, target)
+        loss = F.cross_entropy(logits.float(), target, ignore_index=self.ignore_index)
+        if (target != self.ignore_index).any():  # an all-ignore image has no loss to average
+            self.log(f"{stage}/loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=len(target))
+        return preds
+
+    def _log_scores(self, stage: str, metric: SegmentationMetric) -> dict[str, torch.Tensor]:
+        scores = metric.scores()  # compute() already sums the matrix over ranks
+        metric.reset()
+        logged = {f"{stage}/miou": scores["miou"].float(), f"{stage}/pixel_acc": scores["pixel_acc"].float()}
+        for name, iou, present in zip(self.class_names, scores["iou"], scores["present"]):
+            if present:
+                logged[f"{stage}/iou/{name}"] = iou.float()
+        self.log_dict({k: v.to(self.device) for k, v in logged.items()})
+        return logged
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        preds = self._evaluate(batch, "val", self.val_metric)
+        if len(self._samples) < self.num_sample_images and not self.trainer.sanity_checking:
+            self._samples.append({"image": batch["image"][0], "pred": preds[0], "mask": batch["mask"][0]})
+
+    def on_validation_epoch_start(self) -> None:
+        self._samples = []
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_scores("val", self.val_metric)
+        self._log_overlays()
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        preds = self._evaluate(batch, "test", self.test_metric)
+        dataset = self.trainer.datamodule.test_set
+        stem = dataset.stem(int(batch["index"][0]))
+        self._write_mask(preds[0], self.predictions_dir / "masks" / f"{stem}.png")
+
+    def on_test_epoch_end(self) -> None:
+        logged = self._log_scores("test", self.test_metric)
+        loss = self.trainer.callback_metrics.get("test/loss")
+        self.write_metrics_json({**logged, **({"test/loss": loss} if loss is not None else {})})
+
+    # -- outputs ---------------------------------------------------------------------------------------------
+    def _write_mask(self, labels: torch.Tensor, path) -> np.ndarray:
+        labels = labels.to(torch.uint8).cpu().numpy()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.trainer.datamodule.encode_prediction(labels).save(path)
+        return labels
+
+    def predict_step(self, batch: dict, batch_idx: int) -> None:
+        """Writes ``predictions/predict/masks/<stem>.png`` and ``overlays/<stem>.jpg`` (image blended with the classes' colours)."""
+        datamodule = self.trainer.datamodule
+        dataset = datamodule.predict_set
+        index = int(batch["index"][0])
+        height, width = (int(v) for v in batch["size"][0])
+        preds = self(batch["image"], size=(height, width))["out"].argmax(1)
+        out_dir = self.predictions_dir / "predict"
+        labels = self._write_mask(preds[0], out_dir / "masks" / f"{dataset.stem(index)}.png")
+        image, _ = dataset.load(index)
+        overlay = (0.5 * image + 0.5 * datamodule.palette[labels]).round().astype(np.uint8)
+        (out_dir / "overlays").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(overlay).save(out_dir / "overlays" / f"{dataset.stem(index)}.jpg", quality=90)
+
+    def _log_overlays(self) -> None:
+        """Validation images with predicted and true masks as wandb mask overlays."""
+        logger = self.wandb_logger
+        samples, self._samples = self._samples, []
+        if logger is None or not samples:
+            return
+        labels = {i: name for i, name in enumerate(self.class_names)} | {self.ignore_index: "ignore"}
+        images, masks = [], []
+        for sample in samples:
+            image = sample["image"].float()
+            image = ((image - image.min()) / (image.max() - image.min()).clamp_min(1e-6)).permute(1, 2, 0)
+            size = image.shape[:2]
+            # masks are at the original size; show them at the network's input size
+            pred = F.interpolate(sample["pred"][None, None].float(), size=size, mode="nearest")[0, 0]
+            true = F.interpolate(sample["mask"][None, None].float(), size=size, mode="nearest")[0, 0]
+            images.append((image.cpu().numpy() * 255).astype(np.uint8))
+            masks.append({"prediction": {"mask_data": pred.cpu().numpy().astype(np.uint8), "class_labels": labels},
+                          "ground_truth": {"mask_data": true.cpu().numpy().astype(np.uint8), "class_labels": labels}})
+        logger.log_image("val/overlays", images, step=self.global_step, masks=masks)
+
+
+def main(args=None) -> None:
+    from datamodules.segmentation import SegmentationDataModule
+    from tasks.cli import SuiteCLI
+
+    SuiteCLI(SegmentationTask, SegmentationDataModule, task="segment", default_config="demo_deeplabv3_mobilevitv2.yaml",
+             monitor="val/miou", mode="max", links={"class_names": "class_names"}, args=args)
+
+
+if __name__ == "__main__":
+    main()
