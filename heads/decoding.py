@@ -1,0 +1,163 @@
+"""Greedy and beam search for encoder-decoder models, batched and with the decoder's cache.
+
+Both work on any ``decoder`` with the interface of :class:`heads.seq2seq.TransformerDecoder`:
+``decoder(tgt (N, T), memory (N, S, D), memory_padding_mask (N, S), cache) -> logits (N, T, V)``
+and ``decoder.new_cache()`` returning an object with ``reorder(index)``.
+
+Every step is one decoder call on all sentences (times beams) at once; no Python loop
+runs over sentences. With ``use_cache=True`` a step feeds only the newest token and the
+decoder appends its keys/values to the cache; with ``use_cache=False`` it recomputes the
+whole prefix (the reference the cached path must match).
+
+Beam search (as fairseq's, with the GNMT length penalty of Wu et al. 2016):
+- each step, every live beam is extended by every token; of the best ``2K`` candidates
+  per sentence, those ending in eos *within the top K* become finished hypotheses, and
+  the best ``K`` not ending in eos stay live;
+- finished hypotheses are scored ``log p(y|x) / lp(y)``, ``lp(y) = ((5 + |y|) / 6) ** alpha``
+  (|y| counts eos), and kept, the best ``K`` per sentence, until the sentence has ``K``
+  of them; the search ends when every sentence has;
+- a sentence's output is at most ``max_len`` tokens (eos included): at the last step only
+  eos is allowed, so every beam ends;
+- pad and bos are never generated.
+
+With ``beam_size=1`` this is greedy search, whatever alpha is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class Hypotheses:
+    """Best output per sentence: ``tokens`` (B, L) ending in eos then pad, ``scores`` (B,) the
+    sum of token log-probabilities (eos included), ``normalized`` (B,) the score the search
+    ranked by (``scores`` for greedy, ``scores / lp`` for beam search)."""
+
+    tokens: Tensor
+    scores: Tensor
+    normalized: Tensor
+
+
+def max_output_lengths(src_lengths: Tensor, a: float = 1.2, b: int = 10, limit: int | None = None) -> Tensor:
+    """(B,) ``floor(a * src_len + b)`` output tokens per sentence, capped at ``limit``, at least 1."""
+    lengths = (src_lengths.float() * a + b).floor().long().clamp_min(1)
+    return lengths if limit is None else lengths.clamp_max(limit)
+
+
+def gnmt_length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+class _Stepper:
+    """Next-token log-probabilities for the prefixes (N, t), with or without the cache."""
+
+    def __init__(self, decoder, memory: Tensor, memory_padding_mask: Tensor | None, use_cache: bool,
+                 banned: tuple[int, ...]):
+        self.decoder, self.memory, self.mask = decoder, memory, memory_padding_mask
+        self.cache = decoder.new_cache() if use_cache else None
+        self.banned = list(banned)
+
+    def __call__(self, prefix: Tensor) -> Tensor:
+        if self.cache is not None:
+            logits = self.decoder(prefix[:, -1:], self.memory, self.mask, self.cache)
+        else:
+            logits = self.decoder(prefix, self.memory, self.mask)
+        log_probs = logits[:, -1].float().log_softmax(dim=-1)
+        log_probs[:, self.banned] = float("-inf")
+        return log_probs
+
+    def reorder(self, index: Tensor) -> None:
+        if self.cache is not None:
+            self.cache.reorder(index)
+
+
+def _only_eos_at_last_step(log_probs: Tensor, last: Tensor, eos_id: int) -> Tensor:
+    """Block every token but eos for rows whose ``last`` (broadcastable) flag is set."""
+    not_eos = torch.ones(log_probs.shape[-1], dtype=torch.bool, device=log_probs.device)
+    not_eos[eos_id] = False
+    return log_probs.masked_fill(last & not_eos, float("-inf"))
+
+
+@torch.no_grad()
+def greedy_search(decoder, memory: Tensor, memory_padding_mask: Tensor | None, max_len: Tensor, *,
+                  bos_id: int, eos_id: int, pad_id: int, use_cache: bool = True) -> Hypotheses:
+    """Arg-max decoding. memory (B, S, D), max_len (B,) output tokens per sentence (eos included)."""
+    b = memory.shape[0]
+    step = _Stepper(decoder, memory, memory_padding_mask, use_cache, (pad_id, bos_id))
+    tokens = torch.full((b, 1), bos_id, dtype=torch.long, device=memory.device)
+    scores = torch.zeros(b, device=memory.device)
+    done = torch.zeros(b, dtype=torch.bool, device=memory.device)
+    for t in range(int(max_len.max())):
+        log_probs = _only_eos_at_last_step(step(tokens), (t >= max_len - 1)[:, None], eos_id)
+        best, nxt = log_probs.max(dim=-1)
+        scores += best.masked_fill(done, 0.0)
+        nxt = nxt.masked_fill(done, pad_id)
+        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+        done |= nxt == eos_id
+        if done.all():
+            break
+    return Hypotheses(tokens[:, 1:], scores, scores.clone())
+
+
+@torch.no_grad()
+def beam_search(decoder, memory: Tensor, memory_padding_mask: Tensor | None, max_len: Tensor, *,
+                beam_size: int = 4, alpha: float = 0.6, bos_id: int, eos_id: int, pad_id: int,
+                use_cache: bool = True) -> Hypotheses:
+    """Batched beam search (see the module docstring). memory (B, S, D) from the encoder,
+    memory_padding_mask (B, S) True = pad, max_len (B,) output tokens per sentence."""
+    b, k, device = memory.shape[0], beam_size, memory.device
+    rows = torch.arange(b, device=device).repeat_interleave(k)  # sentence of each of the B*K beams
+    memory = memory.index_select(0, rows)
+    mask = None if memory_padding_mask is None else memory_padding_mask.index_select(0, rows)
+    step = _Stepper(decoder, memory, mask, use_cache, (pad_id, bos_id))
+    longest = int(max_len.max())
+    neg_inf = float("-inf")
+
+    tokens = torch.full((b * k, 1), bos_id, dtype=torch.long, device=device)
+    # all beams start from the same prefix: keep only one alive so the first step has no duplicates
+    live_scores = torch.full((b, k), neg_inf, device=device)
+    live_scores[:, 0] = 0.0
+    fin_tokens = torch.full((b, k, longest), pad_id, dtype=torch.long, device=device)
+    fin_norm = torch.full((b, k), neg_inf, device=device)
+    fin_raw = torch.full((b, k), neg_inf, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    beam_offset = torch.arange(b, device=device)[:, None] * k
+
+    for t in range(longest):
+        log_probs = step(tokens)
+        vocab = log_probs.shape[-1]
+        log_probs = _only_eos_at_last_step(log_probs.view(b, k, vocab), (t >= max_len - 1)[:, None, None], eos_id)
+        cand_scores, cand = (live_scores[:, :, None] + log_probs).view(b, k * vocab).topk(2 * k, dim=1)
+        cand_beam, cand_token = cand // vocab, cand % vocab
+        is_eos = cand_token == eos_id
+
+        # finished hypotheses: eos among the top K candidates of a sentence still searching
+        new_fin = is_eos[:, :k] & ~done[:, None] & cand_scores[:, :k].isfinite()
+        new_raw = cand_scores[:, :k].masked_fill(~new_fin, neg_inf)
+        new_norm = new_raw / gnmt_length_penalty(t + 1, alpha)
+        prefix = tokens[:, 1:].view(b, k, t).gather(1, cand_beam[:, :k, None].expand(b, k, t))
+        new_tokens = torch.full((b, k, longest), pad_id, dtype=torch.long, device=device)
+        new_tokens[:, :, :t] = prefix
+        new_tokens[:, :, t] = eos_id
+        fin_norm, keep = torch.cat([fin_norm, new_norm], dim=1).topk(k, dim=1)
+        fin_raw = torch.cat([fin_raw, new_raw], dim=1).gather(1, keep)
+        fin_tokens = torch.cat([fin_tokens, new_tokens], dim=1).gather(1, keep[:, :, None].expand(b, k, longest))
+        done |= fin_norm[:, -1].isfinite()  # K finished hypotheses
+        if done.all():
+            break
+
+        # live beams: the best K candidates that did not end
+        live_scores, pick = cand_scores.masked_fill(is_eos, neg_inf).topk(k, dim=1)
+        parent = (beam_offset + cand_beam.gather(1, pick)).view(-1)
+        tokens = torch.cat([tokens.index_select(0, parent), cand_token.gather(1, pick).view(-1, 1)], dim=1)
+        step.reorder(parent)
+
+    best = fin_norm.argmax(dim=1)
+    pick = torch.arange(b, device=device)
+    out = fin_tokens[pick, best]
+    width = int((out != pad_id).sum(dim=1).max()) if out.numel() else 0
+    return Hypotheses(out[:, : max(width, 1)], fin_raw[pick, best], fin_norm[pick, best])

@@ -1,0 +1,232 @@
+"""Machine translation: ``python -m tasks.translate {fit,validate,test,predict}``.
+
+The encoder-decoder Transformer of "Attention is all you need", trained with
+label-smoothed cross-entropy; validation and test decode with beam search and
+score sacreBLEU (13a tokenization, detokenized hypotheses vs raw references) and
+chrF, corpus-level, over every sentence exactly once across ranks. `test` writes
+``predictions/hypotheses.txt`` (one line per source line, in order) and
+``predictions/metrics.json``; `predict` translates ``--data.predict_file`` (a file
+or ``-`` for standard input) to ``--model.predict_output`` (a file or ``-``).
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import sacrebleu
+import torch
+from torchmetrics import MeanMetric
+
+from backbones.transformer import TransformerEncoder
+from heads.decoding import Hypotheses, beam_search, greedy_search, max_output_lengths
+from heads.seq2seq import TransformerDecoder
+from tasks.base import TaskModule
+
+
+def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: float, ignore_index: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Summed label-smoothed loss and summed NLL over non-pad targets, and their count.
+
+    logits (B, T, V), target (B, T). The smoothed target puts ``1 - eps`` on the
+    reference and spreads ``eps`` uniformly over the vocabulary (Szegedy et al.; what
+    ``F.cross_entropy(label_smoothing=eps)`` computes), from one log-softmax.
+    """
+    log_probs = logits.float().log_softmax(dim=-1)
+    keep = target.ne(ignore_index)
+    nll = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    smooth = -log_probs.mean(dim=-1)
+    loss = (1.0 - epsilon) * nll + epsilon * smooth
+    return loss[keep].sum(), nll[keep].sum(), int(keep.sum())
+
+
+class TranslationTask(TaskModule):
+    """Transformer encoder-decoder with a shared vocabulary and tied embeddings.
+
+    Args:
+        vocab_size, pad_id, bos_id, eos_id, max_positions: linked from the datamodule.
+        dim, encoder_depth, decoder_depth, num_heads, ffn_dim, dropout: d_model, N (per
+            side), h, d_ff, P_drop of the paper.
+        attention_dropout, activation_dropout: dropout on attention weights / in the FFN.
+        encoder_attention: attention-zoo name of the encoder self-attention (``mha``,
+            ``separable``, ``linformer``, ``synthesizer_dense``, ...); ``encoder_attention_kwargs``
+            its extra arguments. The decoder always uses standard attention with a cache.
+        pre_norm: layer norm before each sub-layer instead of after (the paper).
+        learned_positions: learned position embeddings instead of sinusoids.
+        share_embeddings: one token table for encoder input, decoder input and output.
+        label_smoothing: epsilon of the smoothed cross-entropy.
+        beam_size, length_penalty: beam width and GNMT alpha for validate/test/predict
+            (``beam_size=1`` decodes greedily).
+        max_len_a, max_len_b: outputs are at most ``a * source length + b`` tokens.
+        num_sample_translations: rows of the wandb table of validation translations.
+        predict_output: where `predict` writes its translations (``-`` = standard output).
+        Remaining arguments: see :class:`tasks.base.TaskModule`.
+    """
+
+    def __init__(self, vocab_size: int, pad_id: int = 0, bos_id: int = 2, eos_id: int = 3,
+                 max_positions: int = 256, dim: int = 512, encoder_depth: int = 6, decoder_depth: int = 6,
+                 num_heads: int = 8, ffn_dim: int = 2048, dropout: float = 0.1, attention_dropout: float = 0.0,
+                 activation_dropout: float = 0.0, encoder_attention: str = "mha",
+                 encoder_attention_kwargs: dict | None = None, pre_norm: bool = False,
+                 learned_positions: bool = False, share_embeddings: bool = True, label_smoothing: float = 0.1,
+                 beam_size: int = 4, length_penalty: float = 0.6, max_len_a: float = 1.2, max_len_b: int = 10,
+                 num_sample_translations: int = 16, predict_output: str = "-", **kwargs):
+        super().__init__(**kwargs)
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
+        self.max_positions = max_positions
+        self.encoder = TransformerEncoder(
+            vocab_size, dim, encoder_depth, num_heads, ffn_dim, dropout, encoder_attention,
+            encoder_attention_kwargs, attention_dropout, activation_dropout, pre_norm, max_positions,
+            learned_positions, pad_id)
+        self.decoder = TransformerDecoder(
+            vocab_size, dim, decoder_depth, num_heads, ffn_dim, dropout, attention_dropout, activation_dropout,
+            pre_norm, max_positions, learned_positions, pad_id,
+            embed_tokens=self.encoder.embed.tokens if share_embeddings else None)
+        self.label_smoothing = label_smoothing
+        self.beam_size, self.length_penalty = beam_size, length_penalty
+        self.max_len_a, self.max_len_b = max_len_a, max_len_b
+        self.num_sample_translations = num_sample_translations
+        self.predict_output = predict_output
+        self.eval_loss = MeanMetric()
+        self.eval_nll = MeanMetric()
+        self._rows: list[tuple[int, str, str, str]] = []
+
+    # -- model -----------------------------------------------------------------------------------
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """Teacher forcing: src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
+        memory, padding = self.encoder(src)
+        return self.decoder(tgt_in, memory, padding)
+
+    @torch.no_grad()
+    def translate(self, src: torch.Tensor, beam_size: int | None = None) -> Hypotheses:
+        """src (B, S) padded ids -> best hypotheses (token ids ending in eos)."""
+        beam_size = self.beam_size if beam_size is None else beam_size
+        memory, padding = self.encoder(src)
+        limit = self.max_positions - 1  # the decoder also sees bos
+        max_len = max_output_lengths(src.ne(self.pad_id).sum(dim=1), self.max_len_a, self.max_len_b, limit)
+        ids = dict(bos_id=self.bos_id, eos_id=self.eos_id, pad_id=self.pad_id)
+        if beam_size == 1:
+            return greedy_search(self.decoder, memory, padding, max_len, **ids)
+        return beam_search(self.decoder, memory, padding, max_len, beam_size=beam_size, alpha=self.length_penalty,
+                           **ids)
+
+    @property
+    def tokenizer(self):
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None or not hasattr(datamodule, "tokenizer"):
+            raise RuntimeError("TranslationTask detokenizes with the datamodule's tokenizer; run it with one")
+        return datamodule.tokenizer
+
+    # -- training --------------------------------------------------------------------------------
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        logits = self(batch["src"], batch["tgt_in"])
+        loss_sum, nll_sum, n = label_smoothed_nll(logits, batch["tgt_out"], self.label_smoothing, self.pad_id)
+        n = max(n, 1)
+        loss = loss_sum / n
+        self.log("train/loss", loss, prog_bar=True, batch_size=n)
+        self.log("train/ppl", math.exp(min(nll_sum.item() / n, 50.0)), batch_size=n)
+        self.log("train/target_tokens", float(n), reduce_fx="sum", on_step=False, on_epoch=True)
+        return loss
+
+    # -- evaluation ------------------------------------------------------------------------------
+    def _eval_step(self, batch: dict) -> None:
+        logits = self(batch["src"], batch["tgt_in"])
+        loss_sum, nll_sum, n = label_smoothed_nll(logits, batch["tgt_out"], self.label_smoothing, self.pad_id)
+        if n:
+            self.eval_loss.update(loss_sum / n, weight=n)
+            self.eval_nll.update(nll_sum / n, weight=n)
+        hyps = self.tokenizer.decode(self.translate(batch["src"]).tokens.tolist())
+        self._rows += zip(batch["index"].tolist(), batch["src_text"], batch["tgt_text"], hyps)
+
+    def _eval_epoch_end(self, stage: str) -> dict[str, float]:
+        """Corpus scores over all ranks' sentences (each exactly once), logged the same on every rank."""
+        rows = sorted(self.all_gather_objects(self._rows))
+        self._rows = []
+        hyps = [r[3] for r in rows]
+        refs = [r[2] for r in rows]
+        loss, nll = self.eval_loss.compute(), self.eval_nll.compute()
+        self.eval_loss.reset()
+        self.eval_nll.reset()
+        metrics = {
+            f"{stage}/loss": float(loss),
+            f"{stage}/ppl": math.exp(min(float(nll), 50.0)),
+            f"{stage}/bleu": sacrebleu.corpus_bleu(hyps, [refs], tokenize="13a").score if rows else 0.0,
+            f"{stage}/chrf": sacrebleu.corpus_chrf(hyps, [refs]).score if rows else 0.0,
+        }
+        self.log_dict(metrics, prog_bar=False)
+        self._log_samples(stage, rows)
+        return metrics, rows
+
+    def on_validation_epoch_start(self) -> None:
+        self._rows = []
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+
+    def on_test_epoch_start(self) -> None:
+        self._rows = []
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def on_test_epoch_end(self) -> None:
+        metrics, rows = self._eval_epoch_end("test")
+        if self.global_rank != 0:
+            return
+        self.predictions_dir.mkdir(parents=True, exist_ok=True)
+        write_lines(self.predictions_dir / "hypotheses.txt", [r[3] for r in rows])
+        self.write_metrics_json(metrics)
+
+    def _log_samples(self, stage: str, rows: list) -> None:
+        logger = self.wandb_logger
+        if logger is None or self.num_sample_translations <= 0 or self.trainer.sanity_checking or not rows:
+            return
+        step = max(1, len(rows) // self.num_sample_translations)  # spread over the split, same rows each epoch
+        data = [[i, s, r, h] for i, s, r, h in rows[::step][: self.num_sample_translations]]
+        logger.log_table(key=f"{stage}/translations", columns=["line", "source", "reference", "hypothesis"], data=data)
+
+    # -- predict ---------------------------------------------------------------------------------
+    def on_predict_epoch_start(self) -> None:
+        self._rows = []
+
+    def predict_step(self, batch: dict, batch_idx: int) -> list[str]:
+        hyps = self.tokenizer.decode(self.translate(batch["src"]).tokens.tolist())
+        self._rows += zip(batch["index"].tolist(), hyps)
+        return hyps
+
+    def on_predict_epoch_end(self) -> None:
+        rows = sorted(self.all_gather_objects(self._rows))
+        self._rows = []
+        if self.global_rank != 0:
+            return
+        lines = [h for _, h in rows]
+        if self.predict_output == "-":
+            sys.stdout.write("".join(line + "\n" for line in lines))
+            sys.stdout.flush()
+        else:
+            write_lines(Path(self.predict_output), lines)
+
+
+def write_lines(path: Path, lines: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        f.writelines(line + "\n" for line in lines)
+
+
+def main(args=None) -> None:
+    from datamodules.wmt import TranslationDataModule
+    from tasks.cli import SuiteCLI
+
+    SuiteCLI(TranslationTask, TranslationDataModule, task="translate", default_config="demo_transformer.yaml",
+             monitor="val/bleu", mode="max",
+             links={"vocab_size": "vocab_size", "pad_id": "pad_id", "bos_id": "bos_id", "eos_id": "eos_id",
+                    "max_positions": "max_positions"},
+             args=args)
+
+
+if __name__ == "__main__":
+    main()
