@@ -8,6 +8,14 @@ from backbones.registry import create_backbone, get_backbone_class, list_backbon
 
 __all__ = ["Backbone", "create_backbone", "get_backbone_class", "list_backbones", "register_backbone"]
 
+# single-scale backbones (+ the ViTDet-style pyramid that gives them several strides)
+from backbones.convmixer import ConvMixer  # noqa: E402
+from backbones.mlp_mixer import MlpMixer  # noqa: E402
+from backbones.pyramid import SimpleFeaturePyramid  # noqa: E402
+from backbones.vit import ViT  # noqa: E402
+
+__all__ += ["ConvMixer", "MlpMixer", "SimpleFeaturePyramid", "ViT"]
+
 # MobileViT v1/v2 (+ the attention zoo they build on, and checkpoint import)
 from backbones.mobilevit import MobileViT  # noqa: E402
 from backbones.mobilevitv2 import MobileViTv2  # noqa: E402

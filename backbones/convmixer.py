@@ -1,0 +1,126 @@
+"""ConvMixer (Trockman & Kolter, "Patches Are All You Need?", 2022).
+
+A patch-embedding conv, then ``depth`` blocks of a residual depthwise conv (spatial
+mixing) and a pointwise conv (channel mixing), each followed by activation and
+BatchNorm. The resolution never changes, so the backbone is single-scale: one map
+at stride ``patch_size``. Any input size works; like the reference, a side that is
+not a multiple of ``patch_size`` loses its remainder in the patch conv.
+
+The paper's models (parameters with a 1000-class head, matching its Table 1 and timm):
+
+==========  ======  =======  ========  ==========
+name        dim     depth    kernel    patch      params
+==========  ======  =======  ========  ==========
+1536/20     1536    20       9         7          51.6M
+768/32      768     32       7         7          21.1M (ReLU in the paper and timm)
+1024/20     1024    20       9         14         24.4M
+==========  ======  =======  ========  ==========
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from backbones.pyramid import SingleScaleBackbone
+from backbones.registry import register_backbone
+from backbones.weights import StateDict, register_converter, rename_keys
+
+#: ``ConvMixer(**PRESETS[name])`` builds the paper's models
+PRESETS: dict[str, dict] = {
+    "1536/20": dict(dim=1536, depth=20, kernel_size=9, patch_size=7),
+    "768/32": dict(dim=768, depth=32, kernel_size=7, patch_size=7, act="relu"),
+    "1024/20": dict(dim=1024, depth=20, kernel_size=9, patch_size=14),
+}
+
+_ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
+
+
+def _activation(name: str) -> type[nn.Module]:
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown activation {name!r}; valid names: {', '.join(_ACTIVATIONS)}") from None
+
+
+class ConvMixerBlock(nn.Module):
+    """(B, dim, H, W) -> (B, dim, H, W): x + BN(act(depthwise(x))), then BN(act(pointwise(.)))."""
+
+    def __init__(self, dim: int, kernel_size: int, act_layer: type[nn.Module] = nn.GELU):
+        super().__init__()
+        self.depthwise = nn.Conv2d(dim, dim, kernel_size, groups=dim, padding="same")
+        self.act1 = act_layer()
+        self.norm1 = nn.BatchNorm2d(dim)
+        self.pointwise = nn.Conv2d(dim, dim, kernel_size=1)
+        self.act2 = act_layer()
+        self.norm2 = nn.BatchNorm2d(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.norm1(self.act1(self.depthwise(x)))
+        return self.norm2(self.act2(self.pointwise(x)))
+
+
+@register_backbone("convmixer")
+class ConvMixer(SingleScaleBackbone):
+    """ConvMixer-``dim``/``depth`` with any kernel and patch size.
+
+    ``forward``: (B, in_chans, H, W) -> ``{patch_size: (B, dim, H/p, W/p)}``, or the
+    :class:`~backbones.pyramid.SimpleFeaturePyramid` maps when ``pyramid_strides`` is
+    given (each must be ``patch_size`` times a power of two, e.g. 7, 14, 28, 56 for p7;
+    use ``patch_size=8`` or 16 for the usual 8..64 pyramid). ``forward_pooled``:
+    (B, dim), the global average the reference classifier consumes.
+    """
+
+    def __init__(
+        self,
+        dim: int = 768,
+        depth: int = 32,
+        kernel_size: int = 7,
+        patch_size: int = 7,
+        in_chans: int = 3,
+        act: str = "gelu",
+        pyramid_strides: Sequence[int] | None = None,
+        pyramid_channels: int = 256,
+        pyramid_norm: str = "layernorm",
+        pretrained: str | None = None,
+    ):
+        super().__init__()
+        act_layer = _activation(act)
+        self.in_chans = in_chans
+        self.num_features = dim
+        self.patch_size = patch_size
+        self.patch_embed = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size)
+        self.stem_act = act_layer()
+        self.stem_norm = nn.BatchNorm2d(dim)
+        self.blocks = nn.Sequential(*[ConvMixerBlock(dim, kernel_size, act_layer) for _ in range(depth)])
+        self._finish_init(patch_size, dim, pyramid_strides, pyramid_channels, pyramid_norm, pretrained)
+
+    def forward_map(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, H, W) -> (B, dim, H // p, W // p)."""
+        self.check_input(x)
+        if x.shape[-2] < self.patch_size or x.shape[-1] < self.patch_size:
+            raise ValueError(
+                f"ConvMixer with patch_size={self.patch_size} needs images of at least "
+                f"(B, {self.in_chans}, {self.patch_size}, {self.patch_size}), got {tuple(x.shape)}"
+            )
+        x = self.stem_norm(self.stem_act(self.patch_embed(x)))
+        return self.blocks(x)
+
+
+_TIMM_CONVMIXER_RULES = [
+    (r"^stem\.0\.", "patch_embed."),
+    (r"^stem\.2\.", "stem_norm."),
+    (r"^blocks\.(\d+)\.0\.fn\.0\.", r"blocks.\1.depthwise."),
+    (r"^blocks\.(\d+)\.0\.fn\.2\.", r"blocks.\1.norm1."),
+    (r"^blocks\.(\d+)\.1\.", r"blocks.\1.pointwise."),
+    (r"^blocks\.(\d+)\.3\.", r"blocks.\1.norm2."),
+    (r"^head\.", "head.fc."),
+    (r"^(?!head\.)", "backbone."),
+]
+
+
+@register_converter("convmixer", "timm", detect=lambda sd: "stem.0.weight" in sd)
+def convmixer_timm_to_ours(state_dict: StateDict, backbone: nn.Module | None = None) -> StateDict:
+    """timm ``convmixer_*`` state dict -> canonical keys (``backbone.*`` of :class:`ConvMixer`, ``head.fc.*``)."""
+    return rename_keys(state_dict, _TIMM_CONVMIXER_RULES)
