@@ -8,13 +8,11 @@ not a multiple of ``patch_size`` loses its remainder in the patch conv.
 
 The paper's models (parameters with a 1000-class head, matching its Table 1 and timm):
 
-==========  ======  =======  ========  ==========
-name        dim     depth    kernel    patch      params
-==========  ======  =======  ========  ==========
-1536/20     1536    20       9         7          51.6M
-768/32      768     32       7         7          21.1M (ReLU in the paper and timm)
-1024/20     1024    20       9         14         24.4M
-==========  ======  =======  ========  ==========
+- ConvMixer-1536/20: dim 1536, depth 20, kernel 9, patch 7: 51.6M
+- ConvMixer-768/32: dim 768, depth 32, kernel 7, patch 7, ReLU (as in the paper and timm): 21.1M
+- ConvMixer-1024/20: dim 1024, depth 20, kernel 9, patch 14: 24.4M
+
+``ConvMixer(**PRESETS["768/32"])`` builds one; GELU is the default activation.
 """
 from __future__ import annotations
 

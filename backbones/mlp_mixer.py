@@ -143,4 +143,5 @@ def mixer_timm_to_ours(state_dict: StateDict, backbone: nn.Module | None = None)
 
     Only the stem differs (``stem.proj`` is our ``patch_embed.proj``).
     """
-    return rename_keys(state_dict, [(r"^stem\.", "patch_embed."), (r"^head\.", "head.fc."), (r"^(?!head\.)", "backbone.")])
+    rules = [(r"^stem\.", "patch_embed."), (r"^head\.", "head.fc."), (r"^(?!head\.)", "backbone.")]
+    return rename_keys(state_dict, rules)

@@ -10,10 +10,11 @@ model was built for, so, like timm, ``forward`` takes exactly ``img_size`` and
 raises a ``ValueError`` naming that shape otherwise. Two ways to run at another
 resolution:
 
-- build the model with the new ``img_size``: loading a state dict made for
-  another grid resamples its position embeddings (bicubic, as timm's
-  ``resample_abs_pos_embed``) in :meth:`ViT._load_from_state_dict`, so every
-  loader (ours, Lightning's, ``load_state_dict``) gets it, with an info log line;
+- build the model with the new ``img_size`` and ``pretrained=<checkpoint>``:
+  position embeddings made for another grid are resampled (bicubic, as timm's
+  ``resample_abs_pos_embed``) by :meth:`ViT.adapt_checkpoint`, with an info log
+  line, whether the checkpoint is ours or timm's (call it yourself on a state dict
+  in hand before ``load_state_dict``);
 - or pass ``dynamic_img_size=True`` to resample them on every forward for any
   input whose sides are multiples of ``patch_size`` (what ViTDet-style dense
   heads with varying image sizes want).
@@ -247,37 +248,30 @@ class ViT(SingleScaleBackbone):
             return self.norm(tokens[:, 0])
         return self.norm(tokens.mean(dim=1))
 
-    def fit_pos_embed(self, pos_embed: torch.Tensor) -> torch.Tensor:
-        """A checkpoint's (1, prefix + n, D) position embeddings, resampled to this model's grid if n differs.
+    def adapt_checkpoint(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Resample the position embeddings of a checkpoint made for another grid to this model's.
 
-        The checkpoint's grid is taken to be square (as timm does). Other widths are
-        returned untouched, for the loader to report.
+        The checkpoint's grid is taken to be square (as timm does). Embeddings of
+        another width are left for the strict load to report.
         """
-        if pos_embed.shape == self.pos_embed.shape or pos_embed.shape[-1] != self.pos_embed.shape[-1]:
-            return pos_embed
+        pos_embed = weights.get("pos_embed")
+        if pos_embed is None or pos_embed.shape == self.pos_embed.shape or pos_embed.shape[-1] != self.num_features:
+            return weights
         log.info(
             "resampling position embeddings from %d to %dx%d patches",
             pos_embed.shape[1] - self.num_prefix_tokens,
             *self.grid_size,
         )
-        return resample_pos_embed(pos_embed, self.grid_size, None, self.num_prefix_tokens)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # every load_state_dict (ours, Lightning's) of a checkpoint made at another resolution
-        if prefix + "pos_embed" in state_dict:
-            state_dict[prefix + "pos_embed"] = self.fit_pos_embed(state_dict[prefix + "pos_embed"])
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        return {**weights, "pos_embed": resample_pos_embed(pos_embed, self.grid_size, None, self.num_prefix_tokens)}
 
 
 @register_converter("vit", "timm", detect=lambda sd: "patch_embed.proj.weight" in sd and "pos_embed" in sd)
-def vit_timm_to_ours(state_dict: StateDict, backbone: ViT | None = None) -> StateDict:
+def vit_timm_to_ours(state_dict: StateDict, backbone: nn.Module | None = None) -> StateDict:
     """timm ``vit_*`` state dict -> canonical keys (``backbone.*`` of :class:`ViT`, ``head.fc.*``).
 
     The names are timm's already; only ``fc_norm`` (the norm after average pooling
-    of ``global_pool="avg"`` models) becomes ``norm``. Given ``backbone``, position
-    embeddings made for another grid are resampled to its grid.
+    of ``global_pool="avg"`` models) becomes ``norm``. Position embeddings for another
+    grid are resampled when loading (:meth:`ViT.adapt_checkpoint`).
     """
-    canonical = rename_keys(state_dict, [(r"^fc_norm\.", "norm."), (r"^head\.", "head.fc."), (r"^(?!head\.)", "backbone.")])
-    if backbone is not None and "backbone.pos_embed" in canonical:
-        canonical["backbone.pos_embed"] = backbone.fit_pos_embed(canonical["backbone.pos_embed"])
-    return canonical
+    rules = [(r"^fc_norm\.", "norm."), (r"^head\.", "head.fc."), (r"^(?!head\.)", "backbone.")]
+    return rename_keys(state_dict, rules)

@@ -5,6 +5,7 @@ import torch
 from backbones import ConvMixer, MlpMixer, SimpleFeaturePyramid, ViT
 from heads.deeplabv3 import DeepLabV3
 from heads.pspnet import PSPNet
+from heads.ssdlite import SSDLiteHead
 
 
 def small_backbones(**pyramid):
@@ -30,8 +31,10 @@ def test_levels_from_a_quarter_to_four_times_the_input_stride(norm):
         64: (2, 24, 2, 2),
     }
     # x4 up uses two transposed convs, x2 one, identity none
-    deconvs = {s: sum(isinstance(m, torch.nn.ConvTranspose2d) for m in pyramid.levels[str(s)].modules()) for s in (4, 8, 16)}
-    assert deconvs == {4: 2, 8: 1, 16: 0}
+    def deconvs(stride: int) -> int:
+        return sum(isinstance(m, torch.nn.ConvTranspose2d) for m in pyramid.levels[str(stride)].modules())
+
+    assert [deconvs(4), deconvs(8), deconvs(16)] == [2, 1, 0]
 
 
 def test_unreachable_stride_or_unknown_norm_is_refused_with_the_options():
@@ -83,3 +86,13 @@ def test_segmentation_heads_accept_single_scale_backbones(head_cls):
         with torch.no_grad():
             out = head(backbone(torch.randn(1, 3, 64, 64)))
         assert out["out"].shape == (1, 5, 8, 8), type(backbone).__name__
+
+
+def test_ssdlite_head_accepts_single_scale_backbones():
+    for backbone in small_backbones(pyramid_strides=[16, 32], pyramid_channels=32):
+        backbone.eval()
+        head = SSDLiteHead(backbone.feature_channels, num_classes=3).eval()
+        with torch.no_grad():
+            cls_logits, box_regression, anchors = head(backbone(torch.randn(1, 3, 64, 64)))
+        assert cls_logits.shape == (1, anchors.shape[0], 4), type(backbone).__name__
+        assert box_regression.shape == (1, anchors.shape[0], 4)

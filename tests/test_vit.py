@@ -83,12 +83,21 @@ def test_pretrained_timm_weights_for_another_resolution_are_resampled_like_timm(
         assert (model.forward_pooled(x) - expected).abs().max() <= 1e-5
 
 
-def test_load_state_dict_from_another_resolution_resamples_position_embeddings():
+def test_our_checkpoint_for_another_resolution_is_resampled(tmp_path):
     source = ViT("tiny", img_size=64, depth=1)
-    target = ViT("tiny", img_size=32, depth=1)
-    target.load_state_dict(source.state_dict())
+    # a Lightning checkpoint of a task holding the backbone
+    state = {f"backbone.{k}": v for k, v in source.state_dict().items()}
+    torch.save({"state_dict": state}, tmp_path / "task.ckpt")
+    target = ViT("tiny", img_size=32, depth=1, pretrained=str(tmp_path / "task.ckpt"))
     assert torch.equal(target.pos_embed, resample_pos_embed(source.pos_embed, (2, 2), (4, 4)))
     assert torch.equal(target.pos_embed[:, 0], source.pos_embed[:, 0])  # the class token's is kept
+    assert torch.equal(target.blocks[0].attn.qkv.weight, source.blocks[0].attn.qkv.weight)
+
+
+def test_checkpoint_of_another_width_is_refused_with_the_mismatches(tmp_path):
+    torch.save(ViT("small", img_size=32, depth=1).state_dict(), tmp_path / "small.pth")
+    with pytest.raises(ValueError, match="shape mismatches: .*pos_embed"):
+        ViT("tiny", img_size=32, depth=1, pretrained=str(tmp_path / "small.pth"))
 
 
 def test_dynamic_img_size_resamples_per_input_like_timm():
