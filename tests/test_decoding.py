@@ -1,0 +1,137 @@
+"""Greedy and beam search: beam 1 is greedy, the cache changes nothing, padding changes
+nothing, and on a tiny vocabulary beam search finds the exhaustive optimum."""
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+
+from backbones.transformer import TransformerEncoder
+from heads.decoding import beam_search, gnmt_length_penalty, greedy_search, max_output_lengths
+from heads.seq2seq import TransformerDecoder
+
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
+IDS = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    vocab, dim = 30, 32
+    enc = TransformerEncoder(vocab, dim, 2, 4, 64, 0.0, max_positions=64)
+    dec = TransformerDecoder(vocab, dim, 2, 4, 64, 0.0, max_positions=64, embed_tokens=enc.embed.tokens)
+    # a sharper output distribution than at init, so hypotheses end at different lengths
+    with torch.no_grad():
+        enc.embed.tokens.weight.mul_(3.0)
+    return enc.double().eval(), dec.double().eval()
+
+
+def source_batch(lengths, vocab=30, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, vocab, (len(lengths), max(lengths)), generator=g)
+    for i, n in enumerate(lengths):
+        ids[i, n:] = PAD
+    return ids
+
+
+def encode(model, src):
+    enc, _ = model
+    memory, padding = enc(src)
+    return memory, padding, max_output_lengths(src.ne(PAD).sum(1), 1.0, 4)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
+def test_beam_size_one_is_greedy(model, alpha):
+    memory, padding, max_len = encode(model, source_batch([5, 2, 8, 3]))
+    greedy = greedy_search(model[1], memory, padding, max_len, **IDS)
+    beam = beam_search(model[1], memory, padding, max_len, beam_size=1, alpha=alpha, **IDS)
+    width = beam.tokens.shape[1]
+    assert greedy.tokens[:, width:].eq(PAD).all()
+    assert torch.equal(greedy.tokens[:, :width], beam.tokens)
+    torch.testing.assert_close(greedy.scores, beam.scores)
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_cached_decoding_equals_recomputing_the_prefix(model, search):
+    memory, padding, max_len = encode(model, source_batch([5, 2, 8, 3]))
+    run = (lambda **kw: greedy_search(model[1], memory, padding, max_len, **IDS, **kw)) if search == "greedy" else \
+        (lambda **kw: beam_search(model[1], memory, padding, max_len, beam_size=4, alpha=0.6, **IDS, **kw))
+    cached, full = run(use_cache=True), run(use_cache=False)
+    assert torch.equal(cached.tokens, full.tokens)
+    torch.testing.assert_close(cached.scores, full.scores)
+    torch.testing.assert_close(cached.normalized, full.normalized)
+
+
+def test_padding_a_batch_does_not_change_any_output(model):
+    lengths = [5, 2, 8, 3]
+    src = source_batch(lengths)
+    memory, padding, max_len = encode(model, src)
+    batched = beam_search(model[1], memory, padding, max_len, beam_size=4, alpha=0.6, **IDS)
+    lengths_out = batched.tokens.ne(PAD).sum(1)
+    assert len(set(lengths_out.tolist())) > 1, "the check is weak if every output has the same length"
+    for i, n in enumerate(lengths):
+        m, p, ml = encode(model, src[i : i + 1, :n])
+        alone = beam_search(model[1], m, p, ml, beam_size=4, alpha=0.6, **IDS)
+        k = alone.tokens.shape[1]
+        assert torch.equal(batched.tokens[i, :k], alone.tokens[0]) and batched.tokens[i, k:].eq(PAD).all()
+        torch.testing.assert_close(batched.scores[i : i + 1], alone.scores)
+
+
+def test_outputs_end_in_eos_within_the_length_limit(model):
+    memory, padding, max_len = encode(model, source_batch([5, 2, 8, 3]))
+    out = beam_search(model[1], memory, padding, max_len, beam_size=3, alpha=0.6, **IDS)
+    lengths = out.tokens.ne(PAD).sum(1)
+    assert (lengths <= max_len).all()
+    assert out.tokens[torch.arange(4), lengths - 1].eq(EOS).all()
+    assert not out.tokens.eq(BOS).any()
+
+
+class MarkovDecoder(nn.Module):
+    """A toy decoder whose next-token log-probabilities depend on (position, last token) only,
+    so every sequence's score can be enumerated. Follows the decoder interface, cache included."""
+
+    def __init__(self, vocab: int, positions: int):
+        super().__init__()
+        self.table = torch.randn(positions, vocab, vocab, generator=torch.Generator().manual_seed(3)) * 2
+
+    class Cache:
+        def __init__(self):
+            self.steps = 0
+
+        def reorder(self, index):
+            pass
+
+    def new_cache(self):
+        return self.Cache()
+
+    def forward(self, tgt, memory, memory_padding_mask=None, cache=None):
+        offset = 0 if cache is None else cache.steps
+        positions = torch.arange(offset, offset + tgt.shape[1])
+        if cache is not None:
+            cache.steps += tgt.shape[1]
+        return self.table[positions[None, :], tgt]  # (B, T, V)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
+def test_wide_beam_finds_the_exhaustive_best_length_normalised_hypothesis(alpha):
+    vocab, max_len = 6, 4
+    decoder = MarkovDecoder(vocab, max_len + 1)
+    memory = torch.zeros(1, 1, 1)
+    log_probs = decoder.table.log_softmax(-1)  # pad/bos are banned after normalising, as in fairseq
+    allowed = [t for t in range(vocab) if t not in (PAD, BOS, EOS)]
+    best, best_tokens = float("-inf"), None
+    for n in range(max_len):  # n tokens before eos
+        for body in itertools.product(allowed, repeat=n):
+            seq = list(body) + [EOS]
+            prev, score = BOS, 0.0
+            for t, tok in enumerate(seq):
+                score += log_probs[t, prev, tok].item()
+                prev = tok
+            norm = score / gnmt_length_penalty(len(seq), alpha)
+            if norm > best:
+                best, best_tokens = norm, seq
+    # 2K >= every candidate and K >= every live prefix: nothing is pruned
+    out = beam_search(decoder, memory, None, torch.tensor([max_len]), beam_size=len(allowed) ** max_len, alpha=alpha,
+                      **IDS)
+    assert out.tokens[0][out.tokens[0] != PAD].tolist() == best_tokens
+    assert out.normalized.item() == pytest.approx(best)
