@@ -1,0 +1,123 @@
+"""The segmentation metric against a plain numpy confusion matrix (DESIGN.md's mIoU definition),
+and the DDP guarantee that every evaluation image is counted exactly once."""
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tasks.segment import SegmentationMetric, confusion_scores
+
+IGNORE = 255
+
+
+def numpy_scores(pairs: list[tuple[np.ndarray, np.ndarray]], num_classes: int) -> dict:
+    """Reference: one confusion matrix over all images, ignore pixels dropped, IoU = TP / (TP + FP + FN),
+    mIoU over classes present in truth or prediction, pixel accuracy = TP / labelled pixels."""
+    confmat = np.zeros((num_classes, num_classes), np.int64)
+    for pred, true in pairs:
+        keep = true != IGNORE
+        np.add.at(confmat, (true[keep], pred[keep]), 1)
+    tp = np.diag(confmat)
+    union = confmat.sum(0) + confmat.sum(1) - tp
+    present = union > 0
+    iou = np.full(num_classes, np.nan)
+    iou[present] = tp[present] / union[present]
+    return {"iou": iou, "miou": iou[present].mean(), "pixel_acc": tp.sum() / confmat.sum(), "present": present}
+
+
+def random_pairs(rng: np.random.Generator, num_classes: int, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Images of different sizes; classes 3 and 7 never appear in truth or prediction, class 5 only in
+    predictions (a false-positive-only class: IoU 0, counted), ~20 % of the truth ignored."""
+    used = [c for c in range(num_classes) if c not in (3, 5, 7)]
+    pairs = []
+    for _ in range(count):
+        h, w = rng.integers(5, 40, size=2)
+        true = rng.choice(used, size=(h, w))
+        pred = np.where(rng.random((h, w)) < 0.6, true, rng.choice(used + [5], size=(h, w)))
+        true[rng.random((h, w)) < 0.2] = IGNORE
+        pairs.append((pred, true))
+    return pairs
+
+
+def test_metric_equals_numpy_confusion_matrix():
+    rng = np.random.default_rng(0)
+    num_classes = 9
+    pairs = random_pairs(rng, num_classes, count=12)
+    metric = SegmentationMetric(num_classes, ignore_index=IGNORE)
+    for pred, true in pairs:
+        metric.update(torch.from_numpy(pred)[None], torch.from_numpy(true)[None])
+    ours = metric.scores()
+    ref = numpy_scores(pairs, num_classes)
+
+    assert ours["present"].tolist() == ref["present"].tolist()
+    assert not ref["present"][3] and not ref["present"][7] and ref["present"][5]
+    np.testing.assert_allclose(ours["iou"].numpy(), ref["iou"], rtol=0, atol=1e-12, equal_nan=True)
+    assert ours["iou"][5] == 0
+    assert float(ours["miou"]) == pytest.approx(ref["miou"], abs=1e-12)
+    assert float(ours["pixel_acc"]) == pytest.approx(ref["pixel_acc"], abs=1e-12)
+    # dataset-wide, not a mean of per-image scores
+    per_image = np.mean([numpy_scores([p], num_classes)["miou"] for p in pairs])
+    assert abs(per_image - float(ours["miou"])) > 1e-4
+
+
+def test_confusion_scores_edge_cases():
+    # nothing evaluated: NaN, not a silent 0 or 1
+    empty = confusion_scores(torch.zeros(3, 3, dtype=torch.long))
+    assert torch.isnan(empty["miou"]) and torch.isnan(empty["pixel_acc"])
+    # perfect on the classes present
+    perfect = confusion_scores(torch.diag(torch.tensor([4, 0, 6])))
+    assert float(perfect["miou"]) == 1.0 and perfect["present"].tolist() == [True, False, True]
+
+
+def test_ignore_only_images_do_not_count():
+    metric = SegmentationMetric(4)
+    metric.update(torch.zeros(1, 3, 3, dtype=torch.long), torch.full((1, 3, 3), IGNORE))
+    assert int(metric.compute().sum()) == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_scores(rank: int, world: int, port: int, pairs, num_classes: int, out) -> None:
+    from datamodules.loaders import eval_sampler
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        sampler = eval_sampler(pairs)  # what the segmentation datamodule uses for val/test
+        metric = SegmentationMetric(num_classes)
+        seen = []
+        for index in sampler:
+            pred, true = pairs[index]
+            metric.update(torch.from_numpy(pred)[None], torch.from_numpy(true)[None])
+            seen.append(index)
+        scores = metric.scores()  # syncs the confusion matrix over ranks
+        out[rank] = {"seen": seen, "miou": float(scores["miou"]), "pixel_acc": float(scores["pixel_acc"])}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_processes_count_every_image_once():
+    """7 images on 2 ranks: DistributedSampler would repeat one; the eval sampler must not."""
+    rng = np.random.default_rng(1)
+    num_classes = 9
+    pairs = random_pairs(rng, num_classes, count=7)
+    ref = numpy_scores(pairs, num_classes)
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_rank_scores, args=(2, _free_port(), pairs, num_classes, out), nprocs=2, join=True)
+        results = dict(out)
+    assert sorted(results[0]["seen"] + results[1]["seen"]) == list(range(7))
+    for rank in (0, 1):
+        assert results[rank]["miou"] == pytest.approx(ref["miou"], abs=1e-12)
+        assert results[rank]["pixel_acc"] == pytest.approx(ref["pixel_acc"], abs=1e-12)

@@ -1,0 +1,116 @@
+"""`python -m tasks.segment` end to end on a tiny VOC-layout set: fit, test (masks in the dataset's
+encoding, metrics.json equal to a numpy recomputation from the written masks), predict on a folder;
+and every shipped recipe parses."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from datamodules.segmentation import IGNORE_INDEX, read_mask, write_voc_demo
+from tasks.cli import recipe_path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "configs" / "segment").glob("*.yaml"))
+
+TINY = [
+    "--data.crop_size", "64", "--data.scale_range", "[0.75, 1.25]", "--data.batch_size", "4",
+    "--data.num_workers", "0", "--data.eval_short_side", "null",
+    "--model.backbone.init_args.width", "0.5", "--model.head.init_args.channels", "16",
+    "--trainer.accelerator", "cpu",
+]
+
+
+def run_cli(*args: str, cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "NO_ALBUMENTATIONS_UPDATE": "1", "SUITE_DATA_CACHE": str(cache)}
+    proc = subprocess.run([sys.executable, "-m", "tasks.segment", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """A 2-step fit on a 64x64 VOC-layout demo (8 train, 3 val, 4 test images)."""
+    tmp = tmp_path_factory.mktemp("segment-cli")
+    root = write_voc_demo(tmp / "VOC2012", {"train": 8, "val": 3, "test": 4}, size=64)
+    run_dir = tmp / "run"
+    run_cli("fit", "--data.root", str(root), *TINY, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
+            "--trainer.default_root_dir", str(run_dir), cache=tmp / "cache")
+    return root, run_dir, tmp / "cache"
+
+
+def test_fit_checkpoints_on_miou(fitted):
+    _, run_dir, _ = fitted
+    best = list(run_dir.rglob("best-*.ckpt"))
+    assert best and list(run_dir.rglob("last.ckpt"))
+    import torch
+
+    ckpt = torch.load(best[0], map_location="cpu", weights_only=False)
+    callback = next(v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    assert callback["monitor"] == "val/miou"
+    # image / prediction / ground-truth overlays went to the (offline) wandb run
+    assert len(list(run_dir.glob("wandb/*/files/media/images/mask/val/overlays_*.mask.png"))) >= 2
+
+
+def test_test_writes_masks_and_metrics(fitted):
+    root, run_dir, cache = fitted
+    ckpt = next(run_dir.rglob("last.ckpt"))
+    run_cli("test", "--data.root", str(root), *TINY, "--ckpt_path", str(ckpt), "--trainer.default_root_dir",
+            str(run_dir), "--trainer.logger", "false", cache=cache)
+    predictions = run_dir / "predictions"
+    stems = (root / "ImageSets" / "Segmentation" / "test.txt").read_text().split()
+    confmat = np.zeros((11, 11), np.int64)
+    for stem in stems:
+        with Image.open(predictions / "masks" / f"{stem}.png") as written:
+            assert written.mode == "P" and written.size == (64, 64)  # VOC encoding, original size
+            pred = np.asarray(written)
+        assert pred.max() <= 10
+        true = read_mask(root / "SegmentationClass" / f"{stem}.png")
+        keep = true != IGNORE_INDEX
+        np.add.at(confmat, (true[keep], pred[keep]), 1)
+    metrics = json.loads((predictions / "metrics.json").read_text())
+    tp = np.diag(confmat)
+    union = confmat.sum(0) + confmat.sum(1) - tp
+    assert metrics["test/miou"] == pytest.approx((tp[union > 0] / union[union > 0]).mean(), abs=1e-6)
+    assert metrics["test/pixel_acc"] == pytest.approx(tp.sum() / confmat.sum(), abs=1e-6)
+    assert "test/iou/background" in metrics and "test/loss" in metrics
+
+
+@pytest.mark.slow
+def test_predict_on_a_folder(fitted, tmp_path):
+    root, run_dir, cache = fitted
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i, size in enumerate([(50, 70), (64, 64)]):
+        Image.open(root / "JPEGImages" / f"val_0000{i}.jpg").resize(size).save(folder / f"photo{i}.png")
+    ckpt = next(run_dir.rglob("last.ckpt"))
+    out_dir = tmp_path / "out"
+    run_cli("predict", "--data.root", str(root), *TINY, "--data.predict_dir", str(folder), "--ckpt_path", str(ckpt),
+            "--trainer.default_root_dir", str(out_dir), "--trainer.logger", "false", cache=cache)
+    for i, size in enumerate([(50, 70), (64, 64)]):
+        with Image.open(out_dir / "predictions" / "predict" / "masks" / f"photo{i}.png") as mask:
+            assert mask.size == size
+        with Image.open(out_dir / "predictions" / "predict" / "overlays" / f"photo{i}.jpg") as overlay:
+            assert overlay.size == size and overlay.mode == "RGB"
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.name for p in RECIPES])
+def test_recipes_parse(recipe, capsys):
+    from tasks.segment import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(recipe), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "class_path: heads." in printed and "class_path: backbones.MobileViTv2" in printed
+
+
+def test_default_recipe_is_the_demo():
+    assert recipe_path("segment", "demo_deeplabv3_mobilevitv2.yaml") in RECIPES
