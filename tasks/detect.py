@@ -1,0 +1,294 @@
+"""Object detection: ``python -m tasks.detect {fit,validate,test,predict}``.
+
+SSDLite on any backbone, scored with COCO mAP (torchmetrics ``MeanAveragePrecision`` on the
+faster_coco_eval backend, whose numbers are pycocotools' COCOeval's). `test` writes
+``predictions/detections.json`` (COCO results format: the annotation file's image and
+category ids, ``[x, y, w, h]`` boxes in original-image pixels) and ``predictions/metrics.json``;
+`predict` writes one JSON per image (and, with ``model.draw_predictions``, the image with its
+boxes) under ``predictions/predict/``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torchmetrics.detection import MeanAveragePrecision
+
+from backbones import Backbone
+from heads.ssdlite import GLOBAL_LEVEL, SSDLiteHead
+from tasks.base import TaskModule
+
+#: what `validate`/`test` log, as torchmetrics names them
+MAP_KEYS = ("map", "map_50", "map_75", "map_small", "map_medium", "map_large", "mar_1", "mar_10", "mar_100",
+            "mar_small", "mar_medium", "mar_large")
+
+
+class CocoMeanAveragePrecision(MeanAveragePrecision):
+    """Box mAP that counts every image once, however the evaluation set was split across ranks.
+
+    ``update`` also takes the image ids. Under DDP the per-image states are gathered as objects
+    (ranks may hold different numbers of images, e.g. with an unrepeated sampler) and images that a
+    padding sampler scored twice are dropped by id before computing, so the result equals the
+    single-process one.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(box_format="xyxy", iou_type="bbox", backend="faster_coco_eval", **kwargs)
+        # up to 200 detections per image come in; COCOeval scores the best 100, as it should
+        self.warn_on_many_detections = False
+        self.add_state("image_ids", default=[], dist_reduce_fx=None)
+
+    def update(self, preds: list[dict[str, torch.Tensor]], target: list[dict[str, torch.Tensor]],
+               image_ids: Sequence[int]) -> None:  # type: ignore[override]
+        if len(image_ids) != len(preds):
+            raise ValueError(f"got {len(image_ids)} image ids for {len(preds)} predictions")
+        super().update(preds, target)
+        self.image_ids.extend(torch.tensor(int(i), device=self.device) for i in image_ids)
+
+    def _sync_dist(self, dist_sync_fn=None, process_group=None) -> None:
+        group = process_group or self.process_group
+        world_size = dist.get_world_size(group)
+        for name in self._defaults:
+            gathered: list[list] = [None] * world_size  # type: ignore[list-item]
+            dist.all_gather_object(gathered, [t.cpu() for t in getattr(self, name)], group=group)
+            setattr(self, name, [t.to(self.device) for rank_items in gathered for t in rank_items])
+
+    def compute(self) -> dict:
+        ids = [int(i) for i in self.image_ids]
+        first = sorted({i: pos for pos, i in reversed(list(enumerate(ids)))}.values())
+        if len(first) < len(ids):
+            for name in self._defaults:
+                items = getattr(self, name)
+                if len(items) == len(ids):
+                    setattr(self, name, [items[k] for k in first])
+        return super().compute()
+
+
+class DetectionTask(TaskModule):
+    """Backbone + :class:`SSDLiteHead`, trained with the multibox loss, scored with COCO mAP.
+
+    Args:
+        backbone: any image backbone (YAML ``class_path: backbones.MobileViTv2``) providing the
+            head's first strides (16 and 32 by default; plain backbones via their pyramid argument).
+        num_classes: object classes, linked from the datamodule.
+        category_ids, category_names: the annotation file's id and name of each label, linked from
+            the datamodule; ids go into ``detections.json``, names into logged images.
+        output_strides, proj_channels, aspect_ratios, min_scale, max_scale, center_variance,
+        size_variance, iou_threshold, neg_pos_ratio, score_threshold, topk_candidates,
+        nms_threshold, detections_per_image: the SSDLite head (:class:`heads.ssdlite.SSDLiteHead`).
+        num_sample_images: validation images logged to wandb with predicted and true boxes.
+        display_score_threshold: lowest score drawn on logged images and kept by `predict`.
+        draw_predictions: `predict` also writes each image with its boxes drawn.
+        Remaining arguments: see :class:`tasks.base.TaskModule`.
+    """
+
+    def __init__(self, backbone: Backbone, num_classes: int, category_ids: list[int] | None = None,
+                 category_names: list[str] | None = None,
+                 output_strides: list[int] = (16, 32, 64, 128, 256, GLOBAL_LEVEL),
+                 proj_channels: list[int] = (512, 256, 256, 128, 128, 64),
+                 aspect_ratios: list[list[float]] = ((2, 3),) * 5 + ((2,),),
+                 min_scale: float = 0.1, max_scale: float = 1.05, center_variance: float = 0.1,
+                 size_variance: float = 0.2, iou_threshold: float = 0.5, neg_pos_ratio: float = 3.0,
+                 score_threshold: float = 0.01, topk_candidates: int = 400, nms_threshold: float = 0.5,
+                 detections_per_image: int = 200, num_sample_images: int = 8, display_score_threshold: float = 0.3,
+                 draw_predictions: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.backbone = backbone
+        self.num_classes = num_classes
+        self.category_ids = list(category_ids) if category_ids is not None else list(range(num_classes))
+        self.category_names = list(category_names) if category_names is not None else [str(i) for i in self.category_ids]
+        if not (len(self.category_ids) == len(self.category_names) == num_classes):
+            raise ValueError(f"num_classes={num_classes} but {len(self.category_ids)} category ids and "
+                             f"{len(self.category_names)} names")
+        self.head = SSDLiteHead(
+            backbone.feature_channels, num_classes, output_strides, proj_channels, aspect_ratios, min_scale,
+            max_scale, center_variance, size_variance, iou_threshold, neg_pos_ratio, score_threshold,
+            topk_candidates, nms_threshold, detections_per_image)
+        self.num_sample_images = num_sample_images
+        self.display_score_threshold = display_score_threshold
+        self.draw_predictions = draw_predictions
+        self.val_map = CocoMeanAveragePrecision()
+        self.test_map = CocoMeanAveragePrecision()
+        self._test_results: list[tuple[int, list[dict]]] = []
+        self._predictions: list[dict] = []
+
+    # -- network ----------------------------------------------------------------------------------
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, 3, S, S) -> ``(cls_logits (B, A, C + 1), box_regression (B, A, 4), anchors (A, 4))``."""
+        return self.head(self.backbone(self.to_memory_format(images)))
+
+    def detect(self, images: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """Per image ``{"boxes" (D, 4) xyxy in input pixels, "scores", "labels"}``."""
+        return self.head.postprocess(*self(images), image_size=tuple(images.shape[-2:]))
+
+    def _losses(self, outputs, images: torch.Tensor, targets: list[dict]) -> dict[str, torch.Tensor]:
+        cls_logits, box_regression, anchors = outputs
+        labels, codes = self.head.assign_targets(targets, anchors, tuple(images.shape[-2:]))
+        return self.head.loss(cls_logits, box_regression, labels, codes)
+
+    # -- training ---------------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images, targets = batch
+        losses = self._losses(self(images), images, targets)
+        self.log("train/loss", losses["loss"], prog_bar=True, batch_size=len(images))
+        self.log_dict({"train/loss_cls": losses["loss_cls"], "train/loss_box": losses["loss_box"]},
+                      batch_size=len(images))
+        return losses["loss"]
+
+    # -- evaluation -------------------------------------------------------------------------------
+    @staticmethod
+    def to_original_pixels(detections: list[dict], targets: list[dict], input_size: tuple[int, int]) -> list[dict]:
+        """Scale boxes from the (square) network input back to each image's original size."""
+        height, width = input_size
+        out = []
+        for det, target in zip(detections, targets):
+            orig_h, orig_w = target["orig_size"]
+            scale = det["boxes"].new_tensor([orig_w / width, orig_h / height, orig_w / width, orig_h / height])
+            out.append({**det, "boxes": det["boxes"] * scale})
+        return out
+
+    def _eval_step(self, batch, stage: str, metric: CocoMeanAveragePrecision):
+        images, targets = batch
+        outputs = self(images)
+        losses = self._losses(outputs, images, targets)
+        self.log(f"{stage}/loss", losses["loss"], on_step=False, on_epoch=True, sync_dist=True, batch_size=len(images))
+        detections = self.head.postprocess(*outputs, image_size=tuple(images.shape[-2:]))
+        detections_orig = self.to_original_pixels(detections, targets, tuple(images.shape[-2:]))
+        ground_truth = [{"boxes": t["gt_boxes"], "labels": t["gt_labels"], "iscrowd": t["gt_iscrowd"],
+                         "area": t["gt_area"]} for t in targets]
+        metric.update(detections_orig, ground_truth, [t["image_id"] for t in targets])
+        return detections, detections_orig
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        detections, _ = self._eval_step(batch, "val", self.val_map)
+        if batch_idx == 0:
+            self._log_samples(batch[0], detections, batch[1])
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_map("val", self.val_map)
+
+    def _log_map(self, stage: str, metric: CocoMeanAveragePrecision) -> dict[str, torch.Tensor]:
+        # compute() already gathers over ranks and counts each image once
+        values = metric.compute()
+        metric.reset()
+        logged = {f"{stage}/{k}": values[k].float() for k in MAP_KEYS}
+        self.log(f"{stage}/map", logged[f"{stage}/map"], prog_bar=True)
+        self.log_dict({k: v for k, v in logged.items() if k != f"{stage}/map"})
+        return logged
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        _, detections = self._eval_step(batch, "test", self.test_map)
+        self._test_results += [(t["image_id"], self.records(d, image_id=t["image_id"]))
+                               for d, t in zip(detections, batch[1])]
+
+    def records(self, det: dict[str, torch.Tensor], **extra) -> list[dict]:
+        """One image's detections as COCO result records: ``bbox`` ``[x, y, w, h]``, ``score``, the
+        annotation file's ``category_id`` (and any ``extra`` keys, e.g. ``image_id``)."""
+        boxes = det["boxes"].float().cpu()
+        xywh = torch.cat([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], dim=1).tolist()
+        return [{**extra, "category_id": self.category_ids[label], "bbox": box, "score": score}
+                for box, score, label in zip(xywh, det["scores"].float().cpu().tolist(), det["labels"].cpu().tolist())]
+
+    def on_test_epoch_start(self) -> None:
+        self._test_results = []
+
+    def on_test_epoch_end(self) -> None:
+        metrics = self._log_map("test", self.test_map)
+        results = self.all_gather_objects(self._test_results)
+        if self.global_rank != 0:
+            return
+        # a padding sampler may score an image twice: keep it once, as the metric does
+        per_image = dict(reversed(results))
+        detections = [d for image_id in sorted(per_image) for d in per_image[image_id]]
+        self.predictions_dir.mkdir(parents=True, exist_ok=True)
+        (self.predictions_dir / "detections.json").write_text(json.dumps(detections))
+        loss = self.trainer.callback_metrics.get("test/loss")
+        self.write_metrics_json({**metrics, **({"test/loss": loss} if loss is not None else {})})
+
+    # -- predict ----------------------------------------------------------------------------------
+    def on_predict_epoch_start(self) -> None:
+        self._predictions = []
+
+    def predict_step(self, batch, batch_idx: int) -> list[dict]:
+        images, infos = batch
+        detections = self.to_original_pixels(self.detect(images), infos, tuple(images.shape[-2:]))
+        rows = []
+        for det, info in zip(detections, infos):
+            keep = det["scores"] >= self.display_score_threshold
+            records = self.records({k: v[keep] for k, v in det.items()})
+            for r, label in zip(records, det["labels"][keep].tolist()):
+                r["category_name"] = self.category_names[label]
+            rows.append({"image": info["path"], "height": info["orig_size"][0], "width": info["orig_size"][1],
+                         "detections": records})
+        self._predictions += rows
+        return rows
+
+    def on_predict_epoch_end(self) -> None:
+        rows = self.all_gather_objects(self._predictions)
+        if self.global_rank != 0:
+            return
+        out = self.predictions_dir / "predict"
+        out.mkdir(parents=True, exist_ok=True)
+        for row in rows:
+            stem = Path(row["image"]).stem
+            (out / f"{stem}.json").write_text(json.dumps(row, indent=1))
+            if self.draw_predictions:
+                self._draw(row, out / f"{stem}.jpg")
+
+    def _draw(self, row: dict, path: Path) -> None:
+        from torchvision.io import ImageReadMode, decode_image, write_jpeg
+        from torchvision.utils import draw_bounding_boxes
+
+        image = decode_image(row["image"], mode=ImageReadMode.RGB)
+        if row["detections"]:
+            boxes = torch.tensor([d["bbox"] for d in row["detections"]])
+            boxes[:, 2:] += boxes[:, :2]
+            labels = [f"{d['category_name']} {d['score']:.2f}" for d in row["detections"]]
+            image = draw_bounding_boxes(image, boxes, labels, colors="red", width=2)
+        write_jpeg(image, str(path))
+
+    # -- logging ----------------------------------------------------------------------------------
+    def _log_samples(self, images: torch.Tensor, detections: list[dict], targets: list[dict]) -> None:
+        logger = self.wandb_logger
+        if logger is None or self.num_sample_images <= 0 or self.trainer.sanity_checking:
+            return
+        n = min(self.num_sample_images, len(images))
+        shown = images[:n].float()
+        lo, hi = shown.amin(dim=(1, 2, 3), keepdim=True), shown.amax(dim=(1, 2, 3), keepdim=True)
+        shown = ((shown - lo) / (hi - lo).clamp_min(1e-6) * 255).byte().permute(0, 2, 3, 1).cpu().numpy()
+        class_labels = dict(enumerate(self.category_names))
+
+        def box_data(boxes, labels, scores=None):
+            rows = []
+            for i, (box, label) in enumerate(zip(boxes.tolist(), labels.tolist())):
+                row = {"position": {"minX": box[0], "minY": box[1], "maxX": box[2], "maxY": box[3]},
+                       "domain": "pixel", "class_id": int(label), "box_caption": class_labels[int(label)]}
+                if scores is not None:
+                    row["scores"] = {"score": float(scores[i])}
+                    row["box_caption"] += f" {float(scores[i]):.2f}"
+                rows.append(row)
+            return {"box_data": rows, "class_labels": class_labels}
+
+        boxes = []
+        for det, target in zip(detections[:n], targets[:n]):
+            keep = det["scores"] >= self.display_score_threshold
+            boxes.append({"predictions": box_data(det["boxes"][keep].cpu(), det["labels"][keep].cpu(),
+                                                  det["scores"][keep].cpu()),
+                          "ground_truth": box_data(target["boxes"].cpu(), target["labels"].cpu())})
+        logger.log_image("val/samples", list(shown), boxes=boxes)
+
+
+def main(args=None) -> None:
+    from datamodules.coco import CocoDataModule
+    from tasks.cli import SuiteCLI
+
+    SuiteCLI(DetectionTask, CocoDataModule, task="detect", default_config="demo_ssdlite_mobilevitv2.yaml",
+             monitor="val/map", links={"num_classes": "num_classes", "category_ids": "category_ids",
+                                       "category_names": "category_names"}, args=args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""SSDLite head pieces: anchors, box coding, matching, multibox loss, post-processing, sizes."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchvision.models.detection._utils import BoxCoder as TorchvisionBoxCoder
+from torchvision.ops import box_convert, box_iou, nms
+
+from backbones.base import Backbone
+from heads.anchors import SSDAnchorGenerator
+from heads.box_coder import SSDBoxCoder
+from heads.matcher import SSDMatcher
+from heads.ssdlite import SSDLiteHead
+
+PAPER_RATIOS = ((2, 3),) * 5 + ((2,),)
+
+
+class TinyBackbone(Backbone):
+    """Stand-in with the feature contract: maps at strides 16 and 32."""
+
+    def __init__(self, strides=(16, 32)):
+        super().__init__()
+        self.feature_channels = {s: 8 * (i + 1) for i, s in enumerate(strides)}
+        self.num_features = self.feature_channels[max(strides)]
+        self.convs = nn.ModuleDict({str(s): nn.Conv2d(3, c, s, stride=s) for s, c in self.feature_channels.items()})
+
+    def forward(self, x):
+        return {s: F.relu(self.convs[str(s)](x)) for s in self.feature_channels}
+
+
+# -- anchors ---------------------------------------------------------------------------------------
+def test_anchor_layout_matches_ssd_definition():
+    gen = SSDAnchorGenerator(PAPER_RATIOS, 0.1, 1.05)
+    assert gen.num_anchors_per_location == [6, 6, 6, 6, 6, 4]
+    sizes = [(20, 20), (10, 10), (5, 5), (3, 3), (2, 2), (1, 1)]
+    anchors = gen(sizes)
+    assert anchors.shape == (sum(6 * h * w for h, w in sizes[:5]) + 4, 4)
+    scales = torch.linspace(0.1, 1.05, 7)
+    first = anchors[:6]  # location (0, 0) of the stride-16 level
+    assert torch.allclose(first[:, :2], torch.full((6, 2), 0.5 / 20))
+    s0, s1 = scales[0].item(), scales[1].item()
+    expected_wh = torch.tensor([[s0, s0], [math.sqrt(s0 * s1)] * 2,
+                                [s0 * math.sqrt(2), s0 / math.sqrt(2)], [s0 / math.sqrt(2), s0 * math.sqrt(2)],
+                                [s0 * math.sqrt(3), s0 / math.sqrt(3)], [s0 / math.sqrt(3), s0 * math.sqrt(3)]])
+    assert torch.allclose(first[:, 2:], expected_wh, atol=1e-6)
+    # row-major locations: the next 6 anchors sit one column to the right
+    assert torch.allclose(anchors[6:12, 0], torch.full((6,), 1.5 / 20))
+    assert anchors.min() >= 0 and anchors.max() <= 1  # clipped
+
+
+def test_anchors_are_cached_per_feature_size():
+    gen = SSDAnchorGenerator(PAPER_RATIOS)
+    sizes = [(4, 4), (2, 2), (1, 1), (1, 1), (1, 1), (1, 1)]
+    assert gen(sizes) is gen(sizes)
+    assert gen([(5, 5)] + sizes[1:]) is not gen(sizes)
+
+
+# -- box coding and matching -----------------------------------------------------------------------
+def test_box_coder_matches_torchvision_and_round_trips():
+    torch.manual_seed(0)
+    anchors = torch.cat([torch.rand(50, 2), 0.05 + 0.5 * torch.rand(50, 2)], dim=1)
+    boxes = box_convert(torch.cat([torch.rand(50, 2), 0.05 + 0.5 * torch.rand(50, 2)], dim=1), "cxcywh", "xyxy")
+    coder = SSDBoxCoder(0.1, 0.2)
+    codes = coder.encode(boxes, anchors)
+    reference = TorchvisionBoxCoder(weights=(10.0, 10.0, 5.0, 5.0)).encode_single(
+        boxes, box_convert(anchors, "cxcywh", "xyxy"))
+    assert torch.allclose(codes, reference, atol=1e-5)
+    assert torch.allclose(coder.decode(codes, anchors), boxes, atol=1e-5)
+
+
+def test_matcher_threshold_and_forced_match():
+    anchors = torch.tensor([[0.0, 0.0, 0.5, 0.5], [0.5, 0.5, 1.0, 1.0], [0.0, 0.5, 0.5, 1.0], [0.05, 0.0, 0.55, 0.5]])
+    gt = torch.tensor([[0.0, 0.0, 0.5, 0.5],      # IoU 1 with anchor 0, 0.82 with anchor 3
+                       [0.5, 0.5, 0.6, 0.6]])     # IoU 0.04 with anchor 1: below threshold, forced anyway
+    matches = SSDMatcher(0.5)(gt, anchors)
+    assert matches.tolist() == [0, 1, -1, 0]
+    assert SSDMatcher(0.5)(torch.zeros(0, 4), anchors).tolist() == [-1] * 4
+
+
+# -- loss --------------------------------------------------------------------------------------------
+def reference_multibox_loss(cls_logits, box_regression, labels, codes, ratio=3):
+    """Per-image loop version of the SSD loss, for comparison."""
+    total_cls = total_box = 0.0
+    num_pos = 0
+    for logits, reg, lab, code in zip(cls_logits, box_regression, labels, codes):
+        pos = lab > 0
+        n = int(pos.sum())
+        num_pos += n
+        total_box += F.smooth_l1_loss(reg[pos], code[pos], reduction="sum")
+        bg = -F.log_softmax(logits, -1)[:, 0]
+        bg[pos] = -float("inf")
+        neg_idx = bg.argsort(descending=True)[: n * ratio]
+        keep = pos.clone()
+        keep[neg_idx] = True
+        total_cls += F.cross_entropy(logits[keep], lab[keep], reduction="sum")
+    return (total_cls + total_box) / max(num_pos, 1)
+
+
+def test_multibox_loss_matches_reference_and_stays_float32_under_autocast():
+    torch.manual_seed(0)
+    head = SSDLiteHead(TinyBackbone().feature_channels, num_classes=4)
+    cls_logits, box_regression = torch.randn(3, 200, 5), torch.randn(3, 200, 4)
+    labels = torch.zeros(3, 200, dtype=torch.long)
+    labels[0, :7] = torch.randint(1, 5, (7,))
+    labels[1, 50:52] = 2  # image 2 has no positives: it contributes no negatives either
+    codes = torch.randn(3, 200, 4)
+    loss = head.loss(cls_logits, box_regression, labels, codes)
+    assert torch.allclose(loss["loss"], reference_multibox_loss(cls_logits, box_regression, labels, codes), rtol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = head.loss(cls_logits.bfloat16(), box_regression.bfloat16(), labels, codes)
+    assert low["loss"].dtype == torch.float32
+
+
+# -- post-processing --------------------------------------------------------------------------------
+def reference_postprocess(head, cls_logits, box_regression, anchors, size):
+    """Per-image, per-class loop, as SSD implementations commonly write it."""
+    out = []
+    for logits, reg in zip(cls_logits, box_regression):
+        scores = logits.softmax(-1)[:, 1:]
+        boxes = head.box_coder.decode(reg, anchors).clamp(0, 1) * size
+        rows = []
+        for c in range(scores.shape[1]):
+            s, idx = scores[:, c].topk(min(head.topk_candidates, len(anchors)))
+            keep = s > head.score_threshold
+            s, idx = s[keep], idx[keep]
+            kept = nms(boxes[idx], s, head.nms_threshold)
+            rows += [(float(s[k]), c, tuple(boxes[idx[k]].tolist())) for k in kept]
+        rows.sort(key=lambda r: -r[0])
+        out.append(rows[: head.detections_per_image])
+    return out
+
+
+def test_postprocess_matches_per_class_loop():
+    torch.manual_seed(0)
+    head = SSDLiteHead(TinyBackbone().feature_channels, num_classes=3, topk_candidates=50, detections_per_image=40)
+    sizes = [(4, 4), (2, 2), (1, 1), (1, 1), (1, 1), (1, 1)]
+    anchors = head.anchor_generator(sizes)
+    cls_logits, box_regression = 3 * torch.randn(2, len(anchors), 4), torch.randn(2, len(anchors), 4)
+    got = head.postprocess(cls_logits, box_regression, anchors, (64, 64))
+    expected = reference_postprocess(head, cls_logits, box_regression, anchors, 64)
+    for det, ref in zip(got, expected):
+        assert len(det["scores"]) == len(ref) > 0
+        assert torch.allclose(det["scores"], torch.tensor([r[0] for r in ref]))
+        assert sorted(zip(det["labels"].tolist(), det["scores"].tolist())) == sorted((r[1], r[0]) for r in ref)
+
+
+# -- the head as a whole ----------------------------------------------------------------------------
+@pytest.mark.parametrize("width, paper_millions", [(0.5, 2.0), (0.75, 3.6), (1.75, 14.9)])
+def test_parameter_count_matches_mobilevitv2_paper_table(width, paper_millions):
+    """SSDLite-MobileViTv2 on COCO (80 classes), MobileViTv2 paper Table 4."""
+    from backbones.mobilevitv2 import MobileViTv2
+
+    backbone = MobileViTv2(width=width)
+    head = SSDLiteHead(backbone.feature_channels, num_classes=80)
+    total = sum(p.numel() for p in backbone.parameters()) + sum(p.numel() for p in head.parameters())
+    assert round(total / 1e6, 1) == paper_millions
+
+
+def test_head_shapes_with_any_backbone_and_clear_error_for_missing_strides():
+    backbone = TinyBackbone()
+    head = SSDLiteHead(backbone.feature_channels, num_classes=5, proj_channels=(16, 16, 16, 8, 8, 8))
+    cls_logits, box_regression, anchors = head(backbone(torch.randn(2, 3, 128, 128)))
+    # 128 px: levels 8x8, 4x4, 2x2, 1x1, 1x1 (6 anchors) and global (4 anchors)
+    num = 6 * (64 + 16 + 4 + 1 + 1) + 4
+    assert cls_logits.shape == (2, num, 6) and box_regression.shape == (2, num, 4) and anchors.shape == (num, 4)
+    with pytest.raises(ValueError, match="no stride"):
+        SSDLiteHead(TinyBackbone(strides=(32,)).feature_channels, num_classes=5)
+    with pytest.raises(ValueError, match="pyramid"):
+        SSDLiteHead({8: 16}, num_classes=5, output_strides=(16, 32, 64, 128, 256, -1))
+
+
+def test_assign_targets_labels_shift_past_background_and_empty_images_are_negative():
+    head = SSDLiteHead(TinyBackbone().feature_channels, num_classes=5)
+    anchors = head.anchor_generator([(4, 4), (2, 2), (1, 1), (1, 1), (1, 1), (1, 1)])
+    targets = [{"boxes": torch.tensor([[0.0, 0.0, 40.0, 40.0]]), "labels": torch.tensor([0])},
+               {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long)}]
+    labels, codes = head.assign_targets(targets, anchors, (64, 64))
+    assert set(labels[0].unique().tolist()) == {0, 1}  # class 0 is label 1; 0 is background
+    matched = labels[0] > 0
+    decoded = head.box_coder.decode(codes[0][matched], anchors[matched]) * 64
+    assert torch.allclose(decoded, targets[0]["boxes"].expand_as(decoded), atol=1e-3)
+    assert (labels[1] == 0).all()
+
+
+def test_training_reduces_loss_on_a_tiny_batch():
+    torch.manual_seed(0)
+    backbone = TinyBackbone()
+    head = SSDLiteHead(backbone.feature_channels, num_classes=2, proj_channels=(16, 16, 16, 8, 8, 8))
+    images = torch.randn(2, 3, 64, 64)
+    targets = [{"boxes": torch.tensor([[4.0, 8.0, 40.0, 50.0]]), "labels": torch.tensor([1])},
+               {"boxes": torch.tensor([[20.0, 20.0, 60.0, 60.0], [0.0, 0.0, 20.0, 30.0]]), "labels": torch.tensor([0, 1])}]
+    opt = torch.optim.Adam(list(backbone.parameters()) + list(head.parameters()), lr=3e-3)
+    losses = []
+    for _ in range(40):
+        cls_logits, box_regression, anchors = head(backbone(images))
+        loss = head.loss(cls_logits, box_regression, *head.assign_targets(targets, anchors, (64, 64)))["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
