@@ -15,6 +15,22 @@ from lightning.pytorch.utilities import rank_zero_only
 from tasks.optim import param_groups
 
 
+class SharedFactory:
+    """A stateless factory (the optimizer/scheduler callable LightningCLI injects) that copies
+    of the module share instead of duplicating. EMAWeightAveraging deep-copies the whole
+    LightningModule; jsonargparse's callables reference the CLI that built them and, under
+    DDP, through it the process group, whose locks cannot be copied."""
+
+    def __init__(self, factory):
+        self.factory = factory
+
+    def __call__(self, *args, **kwargs):
+        return self.factory(*args, **kwargs)
+
+    def __deepcopy__(self, memo) -> "SharedFactory":
+        return self
+
+
 class TaskModule(LightningModule):
     """Base of the four task modules.
 
@@ -31,8 +47,8 @@ class TaskModule(LightningModule):
                  scheduler: LRSchedulerCallable | None = None, no_weight_decay_on_norm_bias: bool = True,
                  channels_last: bool = False, compile: bool = False):
         super().__init__()
-        self.optimizer = optimizer
-        self.scheduler = scheduler
+        self.optimizer = SharedFactory(optimizer)
+        self.scheduler = SharedFactory(scheduler) if scheduler is not None else None
         self.no_weight_decay_on_norm_bias = no_weight_decay_on_norm_bias
         self.channels_last = channels_last
         self.compile_networks = compile

@@ -46,18 +46,17 @@ def recipe_path(task: str, name: str) -> Path:
 class SaveConfigToRun(SaveConfigCallback):
     """Store the resolved config with the run: ``config.yaml`` in the wandb run's files
     (synced with it) and the values as wandb config; with no wandb logger, in the
-    checkpoint directory. Overwrites, so re-running a command never aborts."""
+    run's root directory. Overwrites, so re-running a command never aborts."""
 
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if trainer.global_rank != 0:
-            return
+        # runs on rank 0 only: no collective calls here (trainer.log_dir broadcasts, so it would hang DDP)
         text = self.parser.dump(self.config, skip_none=False)
         logger = trainer.logger
         if isinstance(logger, WandbLogger):
             (Path(logger.experiment.dir) / "config.yaml").write_text(text)
             logger.experiment.config.update(yaml.safe_load(text), allow_val_change=True)
         else:
-            target = Path(trainer.log_dir or trainer.default_root_dir)
+            target = Path(trainer.default_root_dir)
             target.mkdir(parents=True, exist_ok=True)
             (target / "config.yaml").write_text(text)
 
@@ -83,29 +82,26 @@ class SuiteCLI(LightningCLI):
             datamodule_class,
             save_config_callback=SaveConfigToRun,
             save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
-            trainer_defaults=self._trainer_defaults(task),
             seed_everything_default=0,
             auto_configure_optimizers=False,  # optimizer/scheduler are model arguments
             args=args,
             run=run,
         )
 
-    @staticmethod
-    def _trainer_defaults(task: str) -> dict:
-        return {
-            "default_root_dir": f"runs/{task}",
-            "logger": {
+    def add_arguments_to_parser(self, parser) -> None:
+        # trainer defaults as plain config, so --print_config shows them and recipes override them
+        parser.set_defaults({
+            "trainer.default_root_dir": f"runs/{self.task}",
+            "trainer.logger": {
                 "class_path": "lightning.pytorch.loggers.WandbLogger",
-                "init_args": {"project": f"suite-{task}", "offline": not wandb_has_credentials()},
+                "init_args": {"project": f"suite-{self.task}", "offline": not wandb_has_credentials()},
             },
-            "callbacks": [
+            "trainer.callbacks": [
                 {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
                 {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor",
                  "init_args": {"logging_interval": "step"}},
             ],
-        }
-
-    def add_arguments_to_parser(self, parser) -> None:
+        })
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({
             "checkpoint.monitor": self.monitor,
@@ -118,10 +114,11 @@ class SuiteCLI(LightningCLI):
             parser.link_arguments(f"data.{data_attr}", f"model.{model_arg}", apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
-        # wandb writes under the run's root dir unless the recipe says otherwise
+        # wandb writes under the run's root dir unless the recipe names another save_dir
+        # (WandbLogger's own default, ".", would scatter runs over the working directory)
         config = self.config[self.subcommand] if self.subcommand else self.config
         logger = config.trainer.logger
-        if getattr(logger, "class_path", "").endswith("WandbLogger") and not logger.init_args.get("save_dir"):
+        if getattr(logger, "class_path", "").endswith("WandbLogger") and logger.init_args.get("save_dir") in (None, "."):
             Path(config.trainer.default_root_dir).mkdir(parents=True, exist_ok=True)
             logger.init_args.save_dir = config.trainer.default_root_dir
 

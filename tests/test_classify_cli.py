@@ -5,7 +5,9 @@ from pathlib import Path
 
 import yaml
 
-TINY = ["--trainer.max_steps", "6", "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "3",
+from tests.conftest import REPO
+
+TINY = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "3",
         "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "1", "--data.batch_size", "16",
         "--data.num_workers", "0", "--data.image_size", "32", "--data.eval_resize", "32",
         "--model.scheduler.init_args.warmup_steps", "2"]
@@ -40,11 +42,29 @@ def test_fit_then_test_writes_checkpoints_wandb_run_predictions_and_metrics(run_
 
 
 def test_second_run_in_the_same_directory_does_not_abort(run_cli):
-    run_cli("classify", "fit", *TINY, "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1")
-    run_cli("classify", "fit", *TINY, "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1")
+    run_cli("classify", "fit", *TINY, "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "1")
+    run_cli("classify", "fit", *TINY, "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "1")
 
 
 def test_missing_root_is_reported_with_the_expected_layout(run_cli, tmp_path):
     proc = run_cli("classify", "validate", "--data.root", str(tmp_path / "imagenet"), check=False)
     assert proc.returncode != 0
     assert "expected" in proc.stderr and "imagenet/train/<class>/<image>" in proc.stderr
+
+
+def test_ema_under_ddp_with_injected_optimizer(run_cli, tmp_path):
+    """EMAWeightAveraging deep-copies the module; under DDP that used to reach the process group
+    through the CLI-injected optimizer callable. Two gloo processes on CPU."""
+    ema = tmp_path / "ema.yaml"
+    ema.write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.EMAWeightAveraging\n"
+                   "      init_args: {decay: 0.9}\n")
+    proc = run_cli("classify", "fit", "--config", str(REPO / "configs/classify/demo_mobilevitv2.yaml"),
+                   "--config", str(ema), *TINY, "--trainer.limit_train_batches", "2",
+                   "--trainer.limit_val_batches", "1", "--data.batch_size", "4", "--trainer.strategy", "ddp",
+                   "--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.logger", "false",
+                   env={"OMP_NUM_THREADS": "1"})
+    assert "last checkpoint:" in proc.stdout + proc.stderr
+    import torch
+
+    ckpt = torch.load(next((tmp_path / "runs/classify").rglob("last.ckpt")), weights_only=False)
+    assert any("EMAWeightAveraging" in key for key in ckpt["callbacks"])  # the average travels with the run
