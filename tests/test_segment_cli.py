@@ -114,3 +114,31 @@ def test_recipes_parse(recipe, capsys):
 
 def test_default_recipe_is_the_demo():
     assert recipe_path("segment", "demo_deeplabv3_mobilevitv2.yaml") in RECIPES
+
+
+def voc_to_ade20k(voc: Path, root: Path) -> Path:
+    """An ADEChallengeData2016-layout copy of a VOC-layout folder (stored labels + 1, ignore -> 0)."""
+    for voc_split, ade_split in (("train", "training"), ("val", "validation")):
+        (root / "images" / ade_split).mkdir(parents=True, exist_ok=True)
+        (root / "annotations" / ade_split).mkdir(parents=True, exist_ok=True)
+        for stem in (voc / "ImageSets" / "Segmentation" / f"{voc_split}.txt").read_text().split():
+            (root / "images" / ade_split / f"{stem}.jpg").write_bytes((voc / "JPEGImages" / f"{stem}.jpg").read_bytes())
+            stored = read_mask(voc / "SegmentationClass" / f"{stem}.png").astype(np.int64)
+            ade = np.where(stored == IGNORE_INDEX, 0, stored + 1).astype(np.uint8)
+            Image.fromarray(ade).save(root / "annotations" / ade_split / f"{stem}.png")
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", [p for p in RECIPES if not p.name.startswith("demo")], ids=lambda p: p.name)
+def test_paper_recipes_run_one_step(recipe, fitted, tmp_path):
+    """The paper recipes instantiate and take a step (CPU, tiny crops, no checkpoint) on a VOC / ADE20k layout."""
+    voc, _, cache = fitted
+    root = voc_to_ade20k(voc, tmp_path / "ADEChallengeData2016") if recipe.name.startswith("ade20k") else voc
+    aug = [] if recipe.name.startswith("ade20k") else ["--data.aug_masks", "false"]
+    run_cli("fit", "--config", str(recipe), "--data.root", str(root), *aug, "--model.backbone.init_args.width", "0.5",
+            "--model.backbone.init_args.pretrained", "null", "--data.crop_size", "64", "--data.batch_size", "2",
+            "--data.num_workers", "0", "--data.eval_short_side", "null", "--trainer.accelerator", "cpu",
+            "--trainer.devices", "1", "--trainer.strategy", "auto", "--trainer.sync_batchnorm", "false",
+            "--trainer.precision", "32-true", "--trainer.fast_dev_run", "1",
+            "--trainer.default_root_dir", str(tmp_path / "run"), cache=cache)
