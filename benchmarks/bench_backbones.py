@@ -1,0 +1,256 @@
+"""Our backbones against their timm twins, side by side in one process.
+
+For every (our backbone, timm model) pair: training images/s (forward + backward +
+SGD step, train mode), inference images/s at ``--batch`` and latency at batch 1
+(eval mode, ``torch.inference_mode``), the same input for both, measurements
+interleaved (ours, timm, ours, timm, ...) so that load from other processes hits
+both alike; the median over ``--reps`` is reported with the ratio ours/timm
+(> 1: ours is faster).
+
+Peak memory of one training step (``--memory``): each model runs in a fresh
+subprocess, does one warm-up step, then a measured one. On CPU we report how
+much the resident set grows at most during the measured step (sampled every
+0.5 ms, after ``malloc_trim`` returned free heap memory to the OS), i.e. what the
+step's activations, gradients and temporaries add; on CUDA, the growth of
+``torch.cuda.max_memory_allocated`` over the same step.
+
+    nice python benchmarks/bench_backbones.py --models mobilevitv2 --batch 8 --reps 5 --memory
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import backbones  # noqa: E402  (registers every backbone)
+from backbones import create_backbone, list_backbones  # noqa: E402
+
+#: (label, our backbone name, its kwargs, timm twin, input size)
+TWINS: list[tuple[str, str, dict, str, int]] = [
+    ("mobilevitv2-0.5", "mobilevitv2", {"width": 0.5}, "mobilevitv2_050", 256),
+    ("mobilevitv2-1.0", "mobilevitv2", {"width": 1.0}, "mobilevitv2_100", 256),
+    ("mobilevitv2-2.0", "mobilevitv2", {"width": 2.0}, "mobilevitv2_200", 256),
+    ("mobilevit-xxs", "mobilevit", {"size": "xxs"}, "mobilevit_xxs", 256),
+    ("mobilevit-xs", "mobilevit", {"size": "xs"}, "mobilevit_xs", 256),
+    ("mobilevit-s", "mobilevit", {"size": "s"}, "mobilevit_s", 256),
+    ("vit-tiny/16", "vit", {"size": "tiny", "patch_size": 16}, "vit_tiny_patch16_224", 224),
+    ("vit-small/16", "vit", {"size": "small", "patch_size": 16}, "vit_small_patch16_224", 224),
+    ("convmixer-768/32", "convmixer", {"dim": 768, "depth": 32, "kernel_size": 7, "patch_size": 7, "act": "relu"},
+     "convmixer_768_32", 224),
+    ("mixer-s/16", "mlp_mixer", {"size": "small", "patch_size": 16}, "mixer_s16_224", 224),
+]
+
+
+class Classifier(nn.Module):
+    """Our backbone + a linear classifier: the reference architecture's full classification path."""
+
+    def __init__(self, name: str, kwargs: dict, num_classes: int = 1000):
+        super().__init__()
+        self.backbone = create_backbone(name, **kwargs)
+        self.fc = nn.Linear(self.backbone.num_features, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.backbone.forward_pooled(x))
+
+
+def build(which: str, twin: tuple, device: torch.device) -> nn.Module:
+    import timm
+
+    _, name, kwargs, timm_name, _ = twin
+    torch.manual_seed(0)
+    model = Classifier(name, kwargs) if which == "ours" else timm.create_model(timm_name, pretrained=False)
+    return model.to(device)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def timed(fn, device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def compare(twin: tuple, batch: int, reps: int, device: torch.device, img_size: int | None) -> dict:
+    size = img_size or twin[4]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, size, size, generator=gen).to(device)
+    x1 = x[:1].clone()
+    y = torch.randint(0, 1000, (batch,), generator=gen).to(device)
+    models = {which: build(which, twin, device) for which in ("ours", "timm")}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for k, m in models.items()}
+    times: dict[str, dict[str, list[float]]] = {k: {"train": [], "infer": [], "latency": []} for k in models}
+    for k, m in models.items():  # warm-up: allocator, kernels, optimizer state
+        m.train()
+        train_step(m, opts[k], x, y)
+        m.eval()
+        with torch.inference_mode():
+            m(x)
+            m(x1)
+    for _ in range(reps):
+        for k, m in models.items():
+            m.train()
+            times[k]["train"].append(timed(lambda: train_step(m, opts[k], x, y), device))
+            m.eval()
+            with torch.inference_mode():
+                times[k]["infer"].append(timed(lambda: m(x), device))
+                times[k]["latency"].append(timed(lambda: m(x1), device))
+    result = {"model": twin[0], "timm": twin[3], "size": size, "batch": batch}
+    for k in models:
+        result[f"{k}_train_ips"] = batch / statistics.median(times[k]["train"])
+        result[f"{k}_infer_ips"] = batch / statistics.median(times[k]["infer"])
+        result[f"{k}_latency_ms"] = 1e3 * statistics.median(times[k]["latency"])
+    result["train_ratio"] = result["ours_train_ips"] / result["timm_train_ips"]
+    result["infer_ratio"] = result["ours_infer_ips"] / result["timm_infer_ips"]
+    result["latency_ratio"] = result["timm_latency_ms"] / result["ours_latency_ms"]
+    return result
+
+
+def memory_probe(which: str, index: int, batch: int, device_name: str, img_size: int | None) -> float:
+    """Run in a fresh process: MB added by one training step (see module docstring)."""
+    device = torch.device(device_name)
+    twin = TWINS[index]
+    size = img_size or twin[4]
+    model = build(which, twin, device).train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
+    train_step(model, opt, x, y)  # warm-up: optimizer state, allocator caches
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        train_step(model, opt, x, y)
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return peak_rss_growth(lambda: train_step(model, opt, x, y))
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def peak_rss_growth(fn) -> float:
+    """MB by which the resident set grows at most while ``fn`` runs (sampled every 0.5 ms).
+
+    Free heap memory is handed back to the OS first (``malloc_trim``), so that the
+    step cannot hide its allocations in memory freed earlier.
+    """
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = peak = _rss_mb()
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _rss_mb())
+            time.sleep(0.0005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak, _rss_mb()) - base
+
+
+def peak_memory(index: int, batch: int, device: str, img_size: int | None) -> dict[str, float]:
+    out = {}
+    for which in ("ours", "timm"):
+        cmd = [sys.executable, __file__, "--probe", which, str(index), "--batch", str(batch), "--device", device]
+        if img_size:
+            cmd += ["--img-size", str(img_size)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        out[which] = float(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| model (timm twin) | input | train img/s ours / timm (ratio) | infer img/s ours / timm (ratio) "
+        "| latency b=1 ms ours / timm (ratio) | train-step peak MB ours / timm |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        mem = f"{r['ours_mem_mb']:.0f} / {r['timm_mem_mb']:.0f}" if "ours_mem_mb" in r else "-"
+        lines.append(
+            f"| {r['model']} ({r['timm']}) | {r['batch']}x{r['size']}² "
+            f"| {r['ours_train_ips']:.1f} / {r['timm_train_ips']:.1f} ({r['train_ratio']:.2f}) "
+            f"| {r['ours_infer_ips']:.1f} / {r['timm_infer_ips']:.1f} ({r['infer_ratio']:.2f}) "
+            f"| {r['ours_latency_ms']:.1f} / {r['timm_latency_ms']:.1f} ({r['latency_ratio']:.2f}) | {mem} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="*", default=None, help="substrings of the labels to run (default: all)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--img-size", type=int, default=None, help="override each pair's input size")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--memory", action="store_true", help="also measure a training step's peak memory")
+    parser.add_argument("--out", type=Path, default=None, help="write the markdown table (and .json) here")
+    parser.add_argument("--probe", nargs=2, metavar=("WHICH", "INDEX"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.probe:
+        print(memory_probe(args.probe[0], int(args.probe[1]), args.batch, args.device, args.img_size))
+        return
+
+    device = torch.device(args.device)
+    registered = set(list_backbones())
+    rows = []
+    for index, twin in enumerate(TWINS):
+        if args.models and not any(m in twin[0] for m in args.models):
+            continue
+        if twin[1] not in registered:
+            print(f"skip {twin[0]}: backbone {twin[1]!r} is not registered", file=sys.stderr)
+            continue
+        row = compare(twin, args.batch, args.reps, device, args.img_size)
+        if args.memory:
+            mem = peak_memory(index, args.batch, args.device, args.img_size)
+            row["ours_mem_mb"], row["timm_mem_mb"] = mem["ours"], mem["timm"]
+        rows.append(row)
+        print(
+            f"{row['model']:>18}: train x{row['train_ratio']:.2f}  infer x{row['infer_ratio']:.2f}  "
+            f"latency x{row['latency_ratio']:.2f}" + (f"  mem {mem['ours']:.0f}/{mem['timm']:.0f} MB" if args.memory else ""),
+            flush=True,
+        )
+    table = markdown(rows)
+    header = f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, batch {args.batch}, reps {args.reps}"
+    print(f"\n{header}\n\n{table}")
+    if args.out:
+        args.out.write_text(f"{header}\n\n{table}\n")
+        args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
