@@ -75,24 +75,28 @@ class _Stepper:
             self.cache.reorder(index)
 
 
-def _only_eos_at_last_step(log_probs: Tensor, last: Tensor, eos_id: int) -> Tensor:
-    """Block every token but eos for rows whose ``last`` (broadcastable) flag is set."""
+def _length_limits(log_probs: Tensor, last: Tensor, eos_id: int, too_short: bool) -> Tensor:
+    """Block every token but eos for rows whose ``last`` (broadcastable) flag is set, and eos
+    everywhere while the outputs are ``too_short``."""
     not_eos = torch.ones(log_probs.shape[-1], dtype=torch.bool, device=log_probs.device)
     not_eos[eos_id] = False
+    if too_short:
+        log_probs = log_probs.masked_fill(~not_eos & ~last, float("-inf"))
     return log_probs.masked_fill(last & not_eos, float("-inf"))
 
 
 @torch.no_grad()
 def greedy_search(decoder, memory: Tensor, memory_padding_mask: Tensor | None, max_len: Tensor, *,
-                  bos_id: int, eos_id: int, pad_id: int, use_cache: bool = True) -> Hypotheses:
-    """Arg-max decoding. memory (B, S, D), max_len (B,) output tokens per sentence (eos included)."""
+                  bos_id: int, eos_id: int, pad_id: int, min_len: int = 1, use_cache: bool = True) -> Hypotheses:
+    """Arg-max decoding. memory (B, S, D), max_len (B,) output tokens per sentence (eos included);
+    ``min_len``: no eos before that many tokens (unless ``max_len`` is shorter)."""
     b = memory.shape[0]
     step = _Stepper(decoder, memory, memory_padding_mask, use_cache, (pad_id, bos_id))
     tokens = torch.full((b, 1), bos_id, dtype=torch.long, device=memory.device)
     scores = torch.zeros(b, device=memory.device)
     done = torch.zeros(b, dtype=torch.bool, device=memory.device)
     for t in range(int(max_len.max())):
-        log_probs = _only_eos_at_last_step(step(tokens), (t >= max_len - 1)[:, None], eos_id)
+        log_probs = _length_limits(step(tokens), (t >= max_len - 1)[:, None], eos_id, t < min_len - 1)
         best, nxt = log_probs.max(dim=-1)
         scores += best.masked_fill(done, 0.0)
         nxt = nxt.masked_fill(done, pad_id)
@@ -106,9 +110,10 @@ def greedy_search(decoder, memory: Tensor, memory_padding_mask: Tensor | None, m
 @torch.no_grad()
 def beam_search(decoder, memory: Tensor, memory_padding_mask: Tensor | None, max_len: Tensor, *,
                 beam_size: int = 4, alpha: float = 0.6, bos_id: int, eos_id: int, pad_id: int,
-                use_cache: bool = True) -> Hypotheses:
+                min_len: int = 1, use_cache: bool = True) -> Hypotheses:
     """Batched beam search (see the module docstring). memory (B, S, D) from the encoder,
-    memory_padding_mask (B, S) True = pad, max_len (B,) output tokens per sentence."""
+    memory_padding_mask (B, S) True = pad, max_len (B,) output tokens per sentence,
+    ``min_len``: no eos before that many tokens (unless ``max_len`` is shorter)."""
     b, k, device = memory.shape[0], beam_size, memory.device
     rows = torch.arange(b, device=device).repeat_interleave(k)  # sentence of each of the B*K beams
     memory = memory.index_select(0, rows)
@@ -130,7 +135,8 @@ def beam_search(decoder, memory: Tensor, memory_padding_mask: Tensor | None, max
     for t in range(longest):
         log_probs = step(tokens)
         vocab = log_probs.shape[-1]
-        log_probs = _only_eos_at_last_step(log_probs.view(b, k, vocab), (t >= max_len - 1)[:, None, None], eos_id)
+        log_probs = _length_limits(log_probs.view(b, k, vocab), (t >= max_len - 1)[:, None, None], eos_id,
+                                   t < min_len - 1)
         cand_scores, cand = (live_scores[:, :, None] + log_probs).view(b, k * vocab).topk(2 * k, dim=1)
         cand_beam, cand_token = cand // vocab, cand % vocab
         is_eos = cand_token == eos_id

@@ -10,7 +10,9 @@ or ``-`` for standard input) to ``--model.predict_output`` (a file or ``-``).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -203,10 +205,11 @@ class TranslationTask(TaskModule):
         self._rows = []
         if self.global_rank != 0:
             return
-        lines = [h for _, h in rows]
+        lines = [h for _, h in dict(rows).items()]  # a sampler that pads would repeat indices
         if self.predict_output == "-":
-            sys.stdout.write("".join(line + "\n" for line in lines))
-            sys.stdout.flush()
+            stream = _TRANSLATIONS_STDOUT or sys.stdout
+            stream.write("".join(line + "\n" for line in lines))
+            stream.flush()
         else:
             write_lines(Path(self.predict_output), lines)
 
@@ -217,15 +220,45 @@ def write_lines(path: Path, lines: list[str]) -> None:
         f.writelines(line + "\n" for line in lines)
 
 
+#: where `predict` writes translations for ``predict_output="-"`` (see :func:`_stdout_for_translations`)
+_TRANSLATIONS_STDOUT = None
+
+
+@contextlib.contextmanager
+def _stdout_for_translations(enabled: bool):
+    """Keep standard output for the translations only: progress bars, wandb and Lightning
+    messages printed meanwhile go to standard error, so ``predict < in > out`` yields clean text."""
+    global _TRANSLATIONS_STDOUT
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved_fd = os.dup(1)
+    _TRANSLATIONS_STDOUT = open(os.dup(saved_fd), "w", encoding="utf-8", closefd=True)
+    saved_stdout, sys.stdout = sys.stdout, sys.stderr
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        _TRANSLATIONS_STDOUT.close()
+        _TRANSLATIONS_STDOUT = None
+        sys.stdout.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+        sys.stdout = saved_stdout
+
+
 def main(args=None) -> None:
     from datamodules.wmt import TranslationDataModule
     from tasks.cli import SuiteCLI
 
-    SuiteCLI(TranslationTask, TranslationDataModule, task="translate", default_config="demo_transformer.yaml",
-             monitor="val/bleu", mode="max",
-             links={"vocab_size": "vocab_size", "pad_id": "pad_id", "bos_id": "bos_id", "eos_id": "eos_id",
-                    "max_positions": "max_positions"},
-             args=args)
+    argv = sys.argv[1:] if args is None else list(args)
+    with _stdout_for_translations("predict" in argv and "--print_config" not in argv):
+        SuiteCLI(TranslationTask, TranslationDataModule, task="translate", default_config="demo_transformer.yaml",
+                 monitor="val/bleu", mode="max",
+                 links={"vocab_size": "vocab_size", "pad_id": "pad_id", "bos_id": "bos_id", "eos_id": "eos_id",
+                        "max_positions": "max_positions"},
+                 args=args)
 
 
 if __name__ == "__main__":

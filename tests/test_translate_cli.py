@@ -1,0 +1,97 @@
+"""The translation CLI end to end, in subprocesses, with a tiny model on the demo corpus."""
+import json
+from pathlib import Path
+
+import pytest
+import sacrebleu
+import torch
+import yaml
+
+from tests.conftest import REPO
+
+TINY = ["--model.dim", "32", "--model.encoder_depth", "1", "--model.decoder_depth", "1", "--model.num_heads", "2",
+        "--model.ffn_dim", "64", "--model.max_len_b", "4", "--model.beam_size", "2", "--data.vocab_size", "500",
+        "--data.max_tokens", "512", "--data.eval_max_tokens", "4096", "--trainer.num_sanity_val_steps", "0",
+        "--trainer.log_every_n_steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory, demo_cache):
+    """One short fit shared by the tests below: (run directory, last checkpoint)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import clean_env
+
+    cwd = tmp_path_factory.mktemp("translate-fit")
+    proc = subprocess.run([sys.executable, "-m", "tasks.translate", "fit", *TINY, "--trainer.max_steps", "4",
+                           "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "4"],
+                          cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    root = cwd / "runs" / "translate"
+    last = next(root.rglob("last.ckpt"))
+    return cwd, root, last, proc
+
+
+def run_in(cwd: Path, *args: str, stdin: str | None = None):
+    import subprocess
+    import sys
+
+    from tests.conftest import clean_env
+
+    proc = subprocess.run([sys.executable, "-m", "tasks.translate", *args], cwd=cwd, env=clean_env(), input=stdin,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def test_fit_checkpoints_on_bleu_and_logs_the_linked_vocabulary(fitted):
+    cwd, root, last, proc = fitted
+    assert any(p.name.startswith("best-") for p in root.rglob("*.ckpt"))
+    run_dir = next((root / "wandb").glob("offline-run-*"))
+    config = yaml.safe_load((run_dir / "files" / "config.yaml").read_text())
+    assert config["checkpoint"]["monitor"] == "val/bleu"
+    hparams = torch.load(last, map_location="cpu", weights_only=False)["hyper_parameters"]
+    assert 0 < hparams["vocab_size"] <= 500  # linked from the sentencepiece model
+
+
+def test_test_writes_hypotheses_in_source_order_and_the_scores_they_get(fitted, demo_cache):
+    cwd, root, last, _ = fitted
+    run_in(cwd, "test", *TINY, "--ckpt_path", str(last))
+    predictions = root / "predictions"
+    hyps = (predictions / "hypotheses.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    data = next(demo_cache.glob("translate-en-de-v*"))
+    refs = (data / "test.de").read_text(encoding="utf-8").splitlines()
+    assert len(hyps) == len(refs)  # one line per source line
+    metrics = json.loads((predictions / "metrics.json").read_text())
+    assert set(metrics) == {"test/bleu", "test/chrf", "test/loss", "test/ppl"}
+    # the numbers are sacreBLEU's on exactly these lines, against the raw references in file order
+    assert metrics["test/bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
+    assert metrics["test/chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score)
+
+
+def test_predict_translates_stdin_to_stdout_and_a_file_to_a_file(fitted, tmp_path):
+    cwd, root, last, _ = fitted
+    lines = ["Germany", "", "7 kilometers per hour"]
+    proc = run_in(cwd, "predict", *TINY, "--ckpt_path", str(last), "--data.predict_file", "-",
+                  stdin="".join(line + "\n" for line in lines))
+    # standard output holds the translations only (progress, wandb and logs go to stderr)
+    assert len(proc.stdout.split("\n")) == len(lines) + 1 and proc.stdout.endswith("\n"), proc.stdout
+    src = tmp_path / "in.en"
+    src.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    out = tmp_path / "out" / "hyps.de"
+    run_in(cwd, "predict", *TINY, "--ckpt_path", str(last), "--data.predict_file", str(src),
+           "--model.predict_output", str(out))
+    assert out.read_text(encoding="utf-8").split("\n")[:-1] == proc.stdout.splitlines()
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "configs" / "translate").glob("*.yaml")))
+def test_every_recipe_parses(recipe, capsys):
+    from tasks.translate import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", str(REPO / "configs" / "translate" / recipe), "--print_config"])
+    assert done.value.code in (0, None)
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["trainer"]["use_distributed_sampler"] is False
+    assert config["model"]["optimizer"]["init_args"]["betas"] == [0.9, 0.98]
