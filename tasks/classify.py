@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
 from backbones import Backbone
+from backbones.weights import classifier_state, load_pretrained
 from heads.classifier import ClassifierHead
 from tasks.base import TaskModule
 
@@ -24,17 +25,25 @@ class ClassificationTask(TaskModule):
         class_names: class folder names, linked from the datamodule (label i = ``class_names[i]``).
         head_dropout: dropout before the classifier.
         label_smoothing: cross-entropy label smoothing.
+        weights: a whole-classifier checkpoint to start from (ours, timm or CVNets; see
+            ``backbones.weights``): the backbone must fit it exactly; its classifier is kept
+            when the class count matches and dropped with a warning otherwise. For a
+            backbone-only start use the backbone's own ``pretrained`` argument.
         num_sample_images: images logged to wandb with their predictions each validation epoch.
         Remaining arguments: see :class:`tasks.base.TaskModule`.
     """
 
     def __init__(self, backbone: Backbone, class_names: list[str], head_dropout: float = 0.0,
-                 label_smoothing: float = 0.0, num_sample_images: int = 16, **kwargs):
+                 label_smoothing: float = 0.0, weights: str | None = None, num_sample_images: int = 16,
+                 **kwargs):
         super().__init__(**kwargs)
         self.backbone = backbone
         self.class_names = list(class_names)
         num_classes = len(self.class_names)
         self.head = ClassifierHead(backbone.num_features, num_classes, head_dropout)
+        if weights:
+            head_state = load_pretrained(self.backbone, weights)
+            self.head.fc.load_state_dict(classifier_state(head_state, num_classes) or self.head.fc.state_dict())
         self.label_smoothing = label_smoothing
         self.num_sample_images = num_sample_images
         top5 = min(5, num_classes)
