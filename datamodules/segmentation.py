@@ -235,7 +235,7 @@ class SegmentationDataset(Dataset):
 
 # -- demo data in the VOC layout -----------------------------------------------------------------------------
 #: images per split of the demo set, and the side of its square images
-DEMO_SPLITS = {"train": 1200, "val": 100, "test": 200}
+DEMO_SPLITS = {"train": 1000, "val": 100, "test": 200}
 DEMO_SIZE = 128
 DEMO_VERSION = 1
 
