@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 DIMS = {  # (dim, layers per side, heads, ffn): the demo recipe and the paper's base model
-    "demo": (256, 3, 4, 1024),
+    "demo": (256, 2, 4, 1024),
     "base": (512, 6, 8, 2048),
 }
 

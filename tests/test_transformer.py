@@ -120,11 +120,15 @@ def test_padding_does_not_change_a_sentence_encoding(attention):
         torch.testing.assert_close(memory[i : i + 1, :n], alone)
 
 
-def test_decoder_is_causal_and_ignores_padded_memory():
+def encoded_pair():
+    """A tiny model, an encoded padded source batch and a (B=2, T=6) target batch."""
     enc, dec = tiny_pair()
-    src = padded_batch([5, 3])
-    memory, padding = enc(src)
-    tgt = padded_batch([6, 6], width=6)
+    memory, padding = enc(padded_batch([5, 3]))
+    return dec, memory, padding, padded_batch([6, 6], width=6)
+
+
+def test_decoder_is_causal_and_ignores_padded_memory():
+    dec, memory, padding, tgt = encoded_pair()
     logits = dec(tgt, memory, padding)
     changed = tgt.clone()
     changed[:, 4] = 7  # a later token never changes earlier positions
@@ -135,10 +139,7 @@ def test_decoder_is_causal_and_ignores_padded_memory():
 
 
 def test_cached_incremental_decoding_equals_the_full_pass():
-    enc, dec = tiny_pair()
-    src = padded_batch([5, 3])
-    memory, padding = enc(src)
-    tgt = padded_batch([6, 6], width=6)
+    dec, memory, padding, tgt = encoded_pair()
     full = dec(tgt, memory, padding)
     cache = dec.new_cache()
     steps = [dec(tgt[:, t : t + 1], memory, padding, cache) for t in range(6)]

@@ -95,3 +95,32 @@ def test_every_recipe_parses(recipe, capsys):
     config = yaml.safe_load(capsys.readouterr().out)
     assert config["trainer"]["use_distributed_sampler"] is False
     assert config["model"]["optimizer"]["init_args"]["betas"] == [0.9, 0.98]
+
+
+@pytest.mark.slow
+def test_two_process_ddp_test_scores_every_sentence_once_and_equals_one_process(tmp_path, demo_cache):
+    """`test` on 2 CPU processes (gloo) writes the same hypotheses and metrics as on one."""
+    data = next(demo_cache.glob("translate-en-de-v*"), None)
+    if data is None:
+        from datamodules.demo_text import demo_translation_root
+
+        data = demo_translation_root()
+    root = tmp_path / "small"
+    root.mkdir()
+    for split in ("train", "valid", "test"):
+        for lang in ("en", "de"):
+            lines = (data / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()[: 400 if split == "train" else 41]
+            (root / f"{split}.{lang}").write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+    outputs = {}
+    for devices in (1, 2):
+        cwd = tmp_path / f"run{devices}"
+        cwd.mkdir()
+        extra = ["--trainer.strategy", "ddp"] if devices == 2 else []
+        run_in(cwd, "test", *TINY, "--data.root", str(root), "--data.vocab_size", "300", "--data.eval_max_tokens", "40",
+               "--trainer.accelerator", "cpu", "--trainer.devices", str(devices), *extra)
+        predictions = cwd / "runs" / "translate" / "predictions"
+        outputs[devices] = ((predictions / "hypotheses.txt").read_text(encoding="utf-8"),
+                            json.loads((predictions / "metrics.json").read_text()))
+    assert len(outputs[2][0].split("\n")) == 41 + 1
+    assert outputs[2][0] == outputs[1][0]
+    assert outputs[2][1] == pytest.approx(outputs[1][1], rel=1e-5)
