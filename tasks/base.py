@@ -4,15 +4,40 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from tasks.optim import param_groups
+
+
+def rng_states() -> dict[str, Any]:
+    """Global RNG states of torch (CPU and CUDA), numpy and Python as tensors and plain
+    values, so a checkpoint holding them still loads with ``weights_only=True``."""
+    state, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [state, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "python": [version, list(internal), gauss],
+    }
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    state, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((state, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
 
 
 class SharedFactory:
@@ -41,17 +66,23 @@ class TaskModule(LightningModule):
         no_weight_decay_on_norm_bias: exempt norm weights, biases and 1-d params from decay.
         channels_last: keep weights and images in NHWC (faster convs on GPU with AMP).
         compile: ``torch.compile`` each sub-network in place (state-dict keys unchanged).
+        on_nonfinite_loss: ``"raise"`` stops the run at a NaN/inf loss, naming the step and
+            batch, before the optimizer step can write non-finite weights; ``"skip"`` skips that
+            step on every rank and counts it (``train/skipped_nonfinite_steps``).
     """
 
     def __init__(self, optimizer: OptimizerCallable = torch.optim.AdamW,
                  scheduler: LRSchedulerCallable | None = None, no_weight_decay_on_norm_bias: bool = True,
-                 channels_last: bool = False, compile: bool = False):
+                 channels_last: bool = False, compile: bool = False,
+                 on_nonfinite_loss: Literal["raise", "skip"] = "raise"):
         super().__init__()
         self.optimizer = SharedFactory(optimizer)
         self.scheduler = SharedFactory(scheduler) if scheduler is not None else None
         self.no_weight_decay_on_norm_bias = no_weight_decay_on_norm_bias
         self.channels_last = channels_last
         self.compile_networks = compile
+        self.on_nonfinite_loss = on_nonfinite_loss
+        self.skipped_nonfinite_steps = 0
 
     # -- model set-up -------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -77,6 +108,37 @@ class TaskModule(LightningModule):
                 raise ValueError("the schedule needs trainer.max_epochs or trainer.max_steps to know its length")
             scheduler.total_steps = int(total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -- faults and exact resume ---------------------------------------------------------------
+    def guard_loss(self, loss: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        """Return ``loss`` if it is finite on every rank; otherwise raise or (``on_nonfinite_loss=skip``)
+        return ``None``, which makes Lightning skip backward and the optimizer step. Ranks agree
+        on the verdict, so DDP never waits on a rank that skipped."""
+        finite = torch.isfinite(loss.detach()).all()
+        if self.trainer.world_size > 1:
+            finite = self.trainer.strategy.reduce(finite.float(), reduce_op="min") > 0
+        if finite:
+            return loss
+        where = f"global step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
+        if self.on_nonfinite_loss == "skip":
+            self.skipped_nonfinite_steps += 1
+            rank_zero_warn(f"non-finite loss at {where}: step skipped "
+                           f"({self.skipped_nonfinite_steps} so far)")
+            self.log("train/skipped_nonfinite_steps", float(self.skipped_nonfinite_steps), reduce_fx="max")
+            return None
+        raise FloatingPointError(
+            f"non-finite loss ({loss.detach().float().item()}) at {where}; stopped before the optimizer step, so "
+            "no checkpoint holds the result. Lower the learning rate, check the batch, or set "
+            "model.on_nonfinite_loss=skip to skip and count such steps.")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # resuming mid-epoch replays dropout and augmentation draws exactly only with the RNG states
+        checkpoint["rng_states"] = rng_states()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "rng_states" in checkpoint and self.trainer is not None and self.trainer.state.fn == "fit":
+            set_rng_states(checkpoint["rng_states"])
+        self.skipped_nonfinite_steps = 0
 
     # -- outputs of `test` ----------------------------------------------------------------------
     @property

@@ -114,9 +114,25 @@ class SuiteCLI(LightningCLI):
             parser.link_arguments(f"data.{data_attr}", f"model.{model_arg}", apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        trainer = config.trainer
+        # one checkpoint directory per run root, so `--ckpt_path last` finds the interrupted run
+        # (the logger's per-run version directory changes on every launch)
+        if config.checkpoint.dirpath is None:
+            config.checkpoint.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
+        if trainer.sync_batchnorm and not _uses_gpus(trainer.accelerator):
+            raise ValueError(
+                "trainer.sync_batchnorm=true synchronises BatchNorm statistics across GPUs (SyncBatchNorm needs CUDA); "
+                f"this run uses accelerator={trainer.accelerator!r} without a GPU. Drop the flag on CPU.")
+        if self.subcommand and config.get("weights_only") is None:
+            config.weights_only = True  # our checkpoints hold tensors and plain values: never unpickle code
+        if self.subcommand and config.get("ckpt_path") not in (None, "last", "best", "hpc", "registry"):
+            check_checkpoint_file(config.ckpt_path)
+        self._route_wandb_to_run_root(config)
+
+    def _route_wandb_to_run_root(self, config) -> None:
         # wandb writes under the run's root dir unless the recipe names another save_dir
         # (WandbLogger's own default, ".", would scatter runs over the working directory)
-        config = self.config[self.subcommand] if self.subcommand else self.config
         logger = config.trainer.logger
         if getattr(logger, "class_path", "").endswith("WandbLogger") and logger.init_args.get("save_dir") in (None, "."):
             Path(config.trainer.default_root_dir).mkdir(parents=True, exist_ok=True)
@@ -144,6 +160,33 @@ class SuiteCLI(LightningCLI):
     def after_test(self) -> None:
         if self.trainer.global_rank == 0:
             rank_zero_info(f"predictions:      {(Path(self.trainer.default_root_dir) / 'predictions').resolve()}")
+
+
+def _uses_gpus(accelerator) -> bool:
+    import torch
+
+    name = str(getattr(accelerator, "class_path", accelerator)).lower()
+    return torch.cuda.is_available() and ("gpu" in name or "cuda" in name or name == "auto")
+
+
+def check_checkpoint_file(path: str) -> None:
+    """Refuse a missing, truncated or foreign checkpoint with its path before any work starts
+    (the error torch raises deep inside Lightning does not name the file)."""
+    import torch
+
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"checkpoint {file} does not exist")
+    try:
+        checkpoint = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:
+        raise ValueError(f"cannot read checkpoint {file} ({file.stat().st_size} bytes): {err}. "
+                         "Is it truncated (an interrupted copy or download)?") from err
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "pytorch-lightning_version" not in checkpoint:
+        keys = list(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise ValueError(f"{file} is not a Lightning checkpoint of this suite (top-level keys: {keys}). "
+                         "To start from foreign weights (timm, CVNets), use the backbone's `pretrained` "
+                         "argument or the classification task's `weights`.")
 
 
 def with_default_config(args: list[str], default: Path) -> list[str]:
