@@ -167,6 +167,11 @@ class Attention(nn.Module):
             logits = logits.masked_fill(blocked, float("-inf"))
         return logits.softmax(dim=-1)
 
+    @staticmethod
+    def _rows(linear: nn.Linear, x: Tensor, start: int, stop: int) -> Tensor:
+        """Apply output rows ``start:stop`` of a fused projection (e.g. only the key part of ``qkv``)."""
+        return F.linear(x, linear.weight[start:stop], None if linear.bias is None else linear.bias[start:stop])
+
     def _heads(self, x: Tensor) -> Tensor:
         """(B, S, D) -> (B, H, S, head_dim)."""
         b, s, _ = x.shape
@@ -200,13 +205,11 @@ class MultiHeadAttention(Attention):
         self.dropout = dropout
 
     def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        w, b = self.qkv.weight, self.qkv.bias
+        d = self.dim
         if value is key:
-            kv = F.linear(key, w[self.dim :], None if b is None else b[self.dim :])
-            k, v = kv.chunk(2, dim=-1)
+            k, v = self._rows(self.qkv, key, d, 3 * d).chunk(2, dim=-1)
         else:
-            k = F.linear(key, w[self.dim : 2 * self.dim], None if b is None else b[self.dim : 2 * self.dim])
-            v = F.linear(value, w[2 * self.dim :], None if b is None else b[2 * self.dim :])
+            k, v = self._rows(self.qkv, key, d, 2 * d), self._rows(self.qkv, value, 2 * d, 3 * d)
         return self._heads(k), self._heads(v)
 
     def forward(
@@ -228,7 +231,7 @@ class MultiHeadAttention(Attention):
             # one GEMM for q, k and v, as timm's ViT does
             q, k, v = self.qkv(query).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         else:
-            q = self._heads(F.linear(query, self.qkv.weight[: self.dim], None if self.qkv.bias is None else self.qkv.bias[: self.dim]))
+            q = self._heads(self._rows(self.qkv, query, 0, self.dim))
             if static and kv_cache.key is not None:
                 k, v = kv_cache.key, kv_cache.value
             else:
@@ -385,7 +388,13 @@ class LinformerAttention(Attention):
     supports_cache = False
 
     def __init__(
-        self, dim: int, num_heads: int = 8, max_len: int = 512, proj_len: int = 256, dropout: float = 0.0, bias: bool = True
+        self,
+        dim: int,
+        num_heads: int = 8,
+        max_len: int = 512,
+        proj_len: int = 256,
+        dropout: float = 0.0,
+        bias: bool = True,
     ):
         super().__init__(dim, num_heads)
         self.max_len = max_len
@@ -414,11 +423,10 @@ class LinformerAttention(Attention):
         s = key.shape[1]
         if s > self.max_len:
             raise ValueError(f"LinformerAttention was built for at most max_len={self.max_len} tokens, got {s}")
-        w, b = self.qkv.weight, self.qkv.bias
         d = self.dim
-        q = F.linear(query, w[:d], None if b is None else b[:d])
-        k = F.linear(key, w[d : 2 * d], None if b is None else b[d : 2 * d])
-        v = F.linear(value, w[2 * d :], None if b is None else b[2 * d :])
+        q = self._rows(self.qkv, query, 0, d)
+        k = self._rows(self.qkv, key, d, 2 * d)
+        v = self._rows(self.qkv, value, 2 * d, 3 * d)
         if key_padding_mask is not None:
             keep = (~key_padding_mask.bool())[..., None].to(k.dtype)
             k, v = k * keep, v * keep
@@ -471,7 +479,8 @@ class _SynthesizerBase(Attention):
             kv_cache.steps += n
         s = v.shape[2]
         if max(s, offset + n) > self.max_len:
-            raise ValueError(f"{type(self).__name__} was built for max_len={self.max_len} tokens, got {max(s, offset + n)}")
+            name, got = type(self).__name__, max(s, offset + n)
+            raise ValueError(f"{name} was built for max_len={self.max_len} tokens, got {got}")
         logits = self._logits(query, offset, s)
         blocked, bias = self._blocked(b, n, s, offset, key_padding_mask, attn_mask, is_causal, query.device)
         attn = self.attn_drop(self._masked_softmax(logits, blocked, bias))
@@ -491,7 +500,9 @@ class DenseSynthesizerAttention(_SynthesizerBase):
 
     def __init__(self, dim: int, num_heads: int = 8, max_len: int = 512, dropout: float = 0.0, bias: bool = True):
         super().__init__(dim, num_heads, max_len, dropout, bias)
-        self.synth = nn.Sequential(nn.Linear(dim, dim, bias=bias), nn.ReLU(), nn.Linear(dim, num_heads * max_len, bias=bias))
+        self.synth = nn.Sequential(
+            nn.Linear(dim, dim, bias=bias), nn.ReLU(), nn.Linear(dim, num_heads * max_len, bias=bias)
+        )
 
     def _logits(self, query: Tensor, offset: int, n_key: int) -> Tensor:
         b, n, _ = query.shape
@@ -509,7 +520,13 @@ class RandomSynthesizerAttention(_SynthesizerBase):
     """
 
     def __init__(
-        self, dim: int, num_heads: int = 8, max_len: int = 512, dropout: float = 0.0, bias: bool = True, fixed: bool = False
+        self,
+        dim: int,
+        num_heads: int = 8,
+        max_len: int = 512,
+        dropout: float = 0.0,
+        bias: bool = True,
+        fixed: bool = False,
     ):
         super().__init__(dim, num_heads, max_len, dropout, bias)
         self.logits = nn.Parameter(torch.randn(num_heads, max_len, max_len) * 0.02, requires_grad=not fixed)
@@ -560,8 +577,7 @@ class AdditiveAttention(Attention):
             if value is source:
                 k, v = self.kv(source).chunk(2, dim=-1)
             else:
-                k = F.linear(source, self.kv.weight[: self.dim], None if self.kv.bias is None else self.kv.bias[: self.dim])
-                v = F.linear(value, self.kv.weight[self.dim :], None if self.kv.bias is None else self.kv.bias[self.dim :])
+                k, v = self._rows(self.kv, source, 0, self.dim), self._rows(self.kv, value, self.dim, 2 * self.dim)
             k, v = self._heads(k), self._heads(v)
         offset = 0
         if kv_cache is not None:

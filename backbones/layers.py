@@ -181,7 +181,9 @@ class TransformerLayer(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
-def dilated_stage_plan(stage_strides: list[int], output_stride: int, stem_stride: int = 2) -> list[tuple[int, int, int, int]]:
+def dilated_stage_plan(
+    stage_strides: list[int], output_stride: int, stem_stride: int = 2
+) -> list[tuple[int, int, int, int]]:
     """Per stage ``(stride, first_dilation, dilation, output stride)``: once the
     network reaches ``output_stride``, a stage that would downsample keeps its
     resolution and doubles the dilation instead (DeepLab-style; the first block of

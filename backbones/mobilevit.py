@@ -147,12 +147,8 @@ class MobileViT(Backbone):
         ):
             blocks: list[nn.Module] = []
             for j in range(n_mv2):
-                first = j == 0
-                blocks.append(
-                    InvertedResidual(
-                        in_chs, out_chs, stride if first else 1, expand_ratio, first_dilation if first else dilation
-                    )
-                )
+                block_stride, block_dilation = (stride, first_dilation) if j == 0 else (1, dilation)
+                blocks.append(InvertedResidual(in_chs, out_chs, block_stride, expand_ratio, block_dilation))
                 in_chs = out_chs
             if i >= 2:
                 depth = DEPTHS[i - 2]

@@ -153,9 +153,8 @@ class MobileViTv2(Backbone):
             blocks: list[nn.Module] = []
             for i in range(n_mv2):
                 first = i == 0
-                blocks.append(
-                    InvertedResidual(in_chs, out_chs, stride if first else 1, 2.0, first_dilation if first else dilation)
-                )
+                block_stride, block_dilation = (stride, first_dilation) if first else (1, dilation)
+                blocks.append(InvertedResidual(in_chs, out_chs, block_stride, 2.0, block_dilation))
                 in_chs = out_chs
             if base_attn:
                 blocks.append(

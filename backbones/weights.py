@@ -66,7 +66,8 @@ def backbone_name(backbone: nn.Module) -> str:
     for name in list_backbones():
         if get_backbone_class(name) is type(backbone):
             return name
-    raise KeyError(f"{type(backbone).__name__} is not a registered backbone; valid names: {', '.join(list_backbones())}")
+    valid = ", ".join(list_backbones())
+    raise KeyError(f"{type(backbone).__name__} is not a registered backbone; valid names: {valid}")
 
 
 def read_state_dict(path: str | Path) -> StateDict:
@@ -148,7 +149,9 @@ def check_fit(state_dict: Mapping[str, torch.Tensor], module: nn.Module, source:
 
         raise ValueError(
             f"{source} does not fit {type(module).__name__}:\n"
-            f"  missing keys: {show(missing)}\n  unexpected keys: {show(unexpected)}\n  shape mismatches: {show(misshaped)}"
+            f"  missing keys: {show(missing)}\n"
+            f"  unexpected keys: {show(unexpected)}\n"
+            f"  shape mismatches: {show(misshaped)}"
         )
 
 

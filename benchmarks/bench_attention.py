@@ -3,8 +3,9 @@
 One layer (d=512, 8 heads; Linformer projects to p=256 tokens) maps a (1, k, 512)
 sequence to (1, k, 512), forward only, eval mode, ``torch.inference_mode``; the
 minimum latency over ``--reps`` runs (after a warm-up; on a shared machine other
-processes only ever add time) is reported for k = 64 .. 4096. Variants that need a maximum length (Linformer, Synthesizers) are built for
-exactly k tokens. Writes a markdown table and a log-log PNG plot::
+processes only ever add time) is reported for k = 64 .. 4096. Variants that need
+a maximum length (Linformer, Synthesizers) are built for exactly k tokens.
+Writes a markdown table and a log-log PNG plot::
 
     nice python benchmarks/bench_attention.py --out benchmarks/attention_latency --reps 5
 

@@ -209,7 +209,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="*", default=None, help="substrings of the labels to run (default: all)")
+    parser.add_argument("--models", nargs="*", default=None, help="label prefixes to run, e.g. mobilevitv2 vit-tiny (default: all)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--img-size", type=int, default=None, help="override each pair's input size")
     parser.add_argument("--reps", type=int, default=5)
@@ -229,7 +229,7 @@ def main() -> None:
     registered = set(list_backbones())
     rows = []
     for index, twin in enumerate(TWINS):
-        if args.models and not any(m in twin[0] for m in args.models):
+        if args.models and not any(twin[0].startswith(m) for m in args.models):
             continue
         if twin[1] not in registered:
             print(f"skip {twin[0]}: backbone {twin[1]!r} is not registered", file=sys.stderr)

@@ -106,7 +106,7 @@ def timm_to_cvnets_v2(key: str) -> str:
     return f"{prefix}.global_rep.{layer}.{name}.{tail[-1]}"
 
 
-DEPTH_V2 = {2: 2, 3: 4, 4: 3}
+DEPTH_V2 = DEPTH_V1 = {2: 2, 3: 4, 4: 3}  # transformer layers per stage; the final norm comes after them
 
 
 def test_cvnets_checkpoint_loads(tmp_path, v2_reference):
@@ -133,7 +133,7 @@ def test_cvnets_v1_transformer_names_load(tmp_path):
         (r"transformer\.(\d+)\.norm2\.", r"global_rep.\1.pre_norm_ffn.0."),
         (r"transformer\.(\d+)\.mlp\.fc1\.", r"global_rep.\1.pre_norm_ffn.1."),
         (r"transformer\.(\d+)\.mlp\.fc2\.", r"global_rep.\1.pre_norm_ffn.4."),
-        (r"^stages\.(\d)\.1\.norm\.", lambda m: f"stages.{m.group(1)}.1.global_rep.{ {2: 2, 3: 4, 4: 3}[int(m.group(1))] }."),
+        (r"^stages\.(\d)\.1\.norm\.", lambda m: f"stages.{m.group(1)}.1.global_rep.{DEPTH_V1[int(m.group(1))]}."),
         (r"\.conv_kxk\.", ".local_rep.conv_3x3."),
         (r"\.conv_1x1\.weight", ".local_rep.conv_1x1.conv.weight"),
         (r"\.conv_fusion\.", ".fusion."),
