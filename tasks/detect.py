@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchmetrics.detection import MeanAveragePrecision
@@ -36,6 +37,10 @@ class CocoMeanAveragePrecision(MeanAveragePrecision):
     """
 
     def __init__(self, **kwargs):
+        # COCOeval's own thresholds, in float64: torchmetrics' defaults come from a float32 linspace,
+        # and a recall of exactly k/n then lands on the wrong side of e.g. 0.3 (0.30000001)
+        kwargs.setdefault("iou_thresholds", np.linspace(0.5, 0.95, 10).tolist())
+        kwargs.setdefault("rec_thresholds", np.linspace(0.0, 1.0, 101).tolist())
         super().__init__(box_format="xyxy", iou_type="bbox", backend="faster_coco_eval", **kwargs)
         # up to 200 detections per image come in; COCOeval scores the best 100, as it should
         self.warn_on_many_detections = False
