@@ -238,7 +238,8 @@ class ImageFolderDataModule(LightningDataModule):
             collate = MixCollate(self.num_classes, h.mixup_alpha, h.cutmix_alpha)
         batch_size = h.batch_size if train else (h.eval_batch_size or h.batch_size)
         return make_loader(dataset, batch_size=batch_size, num_workers=h.num_workers, train=train,
-                           pin_memory=h.pin_memory, persistent_workers=h.persistent_workers, collate_fn=collate)
+                           pin_memory=h.pin_memory, persistent_workers=h.persistent_workers, collate_fn=collate,
+                           trainer=self.trainer if train else None)
 
     def train_dataloader(self):
         return self._loader(self.train_set, train=True)

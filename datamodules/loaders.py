@@ -1,35 +1,106 @@
-"""DataLoader settings every datamodule shares."""
+"""DataLoader settings every datamodule shares, including exact mid-epoch resume.
+
+Training loaders shuffle with ``ResumableSampler``: the order of epoch ``e`` is a function
+of (seed, e) alone, shared by all ranks and sharded across them, and after a restart from
+a checkpoint taken within an epoch it skips the batches already trained on. Each sample's
+augmentation runs under its own RNG seed (a function of seed, epoch and index), so a
+resumed run draws exactly what the uninterrupted run drew, whatever the number of workers.
+"""
 from __future__ import annotations
 
-from typing import Callable
+import random
+from typing import Callable, Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
 
 
 def eval_sampler(dataset: Dataset) -> UnrepeatedDistributedSampler | None:
     """Under DDP, split evaluation data across ranks *without* the padding repeats that
     ``DistributedSampler`` adds, so every sample is scored exactly once and metrics equal
     the single-process values. Lightning keeps a sampler that is already distributed."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return UnrepeatedDistributedSampler(dataset, shuffle=False)
-    return None
+    world, _ = _world()
+    return UnrepeatedDistributedSampler(dataset, shuffle=False) if world > 1 else None
+
+
+class ResumableSampler(DistributedSampler):
+    """Seeded, sharded shuffling that resumes mid-epoch.
+
+    Yields ``(index, sample_seed)`` keys for :class:`SeededSamples`. ``trainer`` (optional)
+    is read when iteration starts: if Lightning is restarting within an epoch, that epoch's
+    order is rebuilt and the ``batches completed x batch_size`` samples already seen by this
+    rank are skipped. Being a ``DistributedSampler``, Lightning does not replace it under DDP.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, trainer=None, seed: int = 0, drop_last: bool = True):
+        world, rank = _world()
+        super().__init__(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=drop_last)
+        self.batch_size = batch_size
+        self.trainer = trainer
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        skip = 0
+        loop = getattr(self.trainer, "fit_loop", None)
+        if loop is not None and loop.restarting:
+            self.set_epoch(self.trainer.current_epoch)
+            skip = loop.epoch_loop.batch_progress.current.completed * self.batch_size
+        epoch = self.epoch
+        indices = list(super().__iter__())[skip:]
+        return iter([(i, hash((self.seed, epoch, i)) & 0x7FFF_FFFF) for i in indices])
+
+
+class SeededSamples(Dataset):
+    """Runs ``dataset[index]`` under the torch, numpy and Python RNG seed that came with the
+    index, restoring the caller's RNG states afterwards (dropout draws in the main process
+    are untouched when ``num_workers=0``)."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, seed = key
+        np_state, py_state = np.random.get_state(), random.getstate()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            np.random.seed(seed)
+            random.seed(seed)
+            try:
+                return self.dataset[index]
+            finally:
+                np.random.set_state(np_state)
+                random.setstate(py_state)
 
 
 def make_loader(dataset: Dataset, *, batch_size: int, num_workers: int, train: bool, pin_memory: bool = True,
                 persistent_workers: bool = True, prefetch_factor: int | None = None,
-                collate_fn: Callable | None = None) -> DataLoader:
-    """A DataLoader with the suite's conventions: shuffled and drop_last for training,
-    unrepeated distributed sampling for evaluation, workers kept alive between epochs."""
-    sampler = None if train else eval_sampler(dataset)
+                collate_fn: Callable | None = None, trainer=None, seed: int = 0) -> DataLoader:
+    """A DataLoader with the suite's conventions: resumable seeded shuffling and drop_last for
+    training (pass the datamodule's ``trainer`` to resume mid-epoch), unrepeated distributed
+    sampling for evaluation, workers kept alive between epochs."""
     extra = {}
     if num_workers > 0:
         extra["persistent_workers"] = persistent_workers
         if prefetch_factor is not None:
             extra["prefetch_factor"] = prefetch_factor
-    return DataLoader(dataset, batch_size=batch_size, shuffle=train and sampler is None, sampler=sampler,
-                      drop_last=train and len(dataset) > batch_size, num_workers=num_workers,
-                      pin_memory=pin_memory and torch.cuda.is_available(),
-                      collate_fn=collate_fn, **extra)
+    drop_last = train and len(dataset) > batch_size
+    if train:
+        sampler = ResumableSampler(dataset, batch_size, trainer=trainer, seed=seed, drop_last=drop_last)
+        dataset = SeededSamples(dataset)
+    else:
+        sampler = eval_sampler(dataset)
+    # a private generator: creating the iterator must not consume the global RNG (exact resume)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, num_workers=num_workers,
+                      pin_memory=pin_memory and torch.cuda.is_available(), collate_fn=collate_fn,
+                      generator=torch.Generator().manual_seed(seed), **extra)

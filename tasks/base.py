@@ -102,12 +102,17 @@ class TaskModule(LightningModule):
         if self.scheduler is None:
             return {"optimizer": optimizer}
         scheduler = self.scheduler(optimizer)
-        if getattr(scheduler, "total_steps", 0) is None:
-            total = self.trainer.estimated_stepping_batches
-            if not math.isfinite(total):
-                raise ValueError("the schedule needs trainer.max_epochs or trainer.max_steps to know its length")
-            scheduler.total_steps = int(total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        # Filled here, not in configure_optimizers: estimated_stepping_batches builds the train
+        # loader, which must happen after a checkpoint restored the loop position (exact resume).
+        for config in self.trainer.lr_scheduler_configs:
+            if getattr(config.scheduler, "total_steps", 0) is None:
+                total = self.trainer.estimated_stepping_batches
+                if not math.isfinite(total):
+                    raise ValueError("the schedule needs trainer.max_epochs or trainer.max_steps to know its length")
+                config.scheduler.total_steps = int(total)
 
     # -- faults and exact resume ---------------------------------------------------------------
     def guard_loss(self, loss: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
