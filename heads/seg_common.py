@@ -49,6 +49,11 @@ class SegmentationHead(nn.Module):
     backbone offers) and, with ``aux=True``, runs :class:`AuxHead` on the map at
     ``aux_stride`` (default 16, the stage before the last in MobileViT/ResNet backbones).
 
+    CVNets puts the auxiliary head on the stage before the last. A dilated backbone
+    whose dict keeps one map per stride (our MobileViTv2 at output stride 8 or 16 keeps
+    only the last stage's map there) offers no such map at that stride: pick
+    ``aux_stride`` among ``feature_channels`` (e.g. the output stride itself).
+
     Subclasses build ``self.decoder`` ((B, C_in, h, w) -> (B, C, h, w)) and call
     :meth:`_finish` with ``C`` to add the classifier and initialise the weights.
     """
@@ -79,6 +84,7 @@ class SegmentationHead(nn.Module):
 
     def _finish(self, decoder_channels: int) -> None:
         self.classifier = nn.Conv2d(decoder_channels, self.num_classes, kernel_size=1)
+        classifiers = [self.classifier] + ([self.aux_head[-1]] if self.aux_head is not None else [])
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -87,6 +93,8 @@ class SegmentationHead(nn.Module):
             elif isinstance(m, nn.BatchNorm2d):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
+        for m in classifiers:  # small logits at the start (mmsegmentation's std 0.01): loss starts near log K
+            nn.init.normal_(m.weight, std=0.01)
 
     def forward(self, features: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``{stride: (B, C_s, H/s, W/s)}`` -> ``{"out": (B, K, H/in_stride, W/in_stride)}``

@@ -84,6 +84,19 @@ def test_demo_is_deterministic(demo, tmp_path):
                               read_mask(demo / "SegmentationClass" / f"{stem}.png"))
 
 
+def test_augmentation_follows_torch_seed(demo):
+    dm = SegmentationDataModule(root=str(demo), crop_size=48, num_workers=0)
+    dm.setup("fit")
+
+    def draw(seed):
+        torch.manual_seed(seed)
+        return dm.train_set[0]
+
+    first, again, other = draw(1), draw(1), draw(2)
+    assert torch.equal(first["image"], again["image"]) and torch.equal(first["mask"], again["mask"])
+    assert not torch.equal(first["image"], other["image"])
+
+
 def test_demo_splits_and_loaders(demo):
     dm = SegmentationDataModule(root=str(demo), crop_size=64, eval_short_side=None, batch_size=2, num_workers=0)
     dm.setup("fit")
