@@ -160,6 +160,19 @@ def test_parameter_count_matches_mobilevitv2_paper_table(width, paper_millions):
     assert round(total / 1e6, 1) == paper_millions
 
 
+@pytest.mark.parametrize("size, paper_millions", [("xxs", 1.7), ("xs", 2.7), ("s", 5.7)])
+def test_parameter_count_matches_mobilevit_paper_table(size, paper_millions):
+    """SSDLite-MobileViT v1 on COCO, MobileViT paper Table 2; the classifier's 1x1 expansion conv
+    (``final_conv``) is not part of the detector (CVNets deletes it)."""
+    from backbones.mobilevit import MobileViT
+
+    backbone = MobileViT(size=size)
+    head = SSDLiteHead(backbone.feature_channels, num_classes=80)
+    total = sum(p.numel() for name, p in backbone.named_parameters() if not name.startswith("final_conv"))
+    total += sum(p.numel() for p in head.parameters())
+    assert abs(total / 1e6 - paper_millions) < 0.06
+
+
 def test_head_shapes_with_any_backbone_and_clear_error_for_missing_strides():
     backbone = TinyBackbone()
     head = SSDLiteHead(backbone.feature_channels, num_classes=5, proj_channels=(16, 16, 16, 8, 8, 8))
