@@ -1,0 +1,76 @@
+"""Time-to-quality of a task's demo recipe: runs the default ``fit`` (plus any overrides),
+records the monitored validation metric against wall-clock time after every validation,
+then ``test`` on the best checkpoint, and prints a markdown table.
+
+    python benchmarks/demo_curve.py classify
+    python benchmarks/demo_curve.py detect --trainer.max_epochs 30
+
+Writes ``<root>/curve.json`` (root defaults to ``runs/bench-<task>``).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from lightning.pytorch import Callback
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+
+
+class CurveRecorder(Callback):
+    """Records (epoch, step, seconds since fit start, monitored metric) after each validation."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+        self.points: list[dict] = []
+        self.start = time.perf_counter()
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.start = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        monitor = trainer.checkpoint_callback.monitor
+        value = trainer.callback_metrics.get(monitor)
+        self.points.append({"epoch": trainer.current_epoch, "step": trainer.global_step,
+                            "seconds": round(time.perf_counter() - self.start, 1), monitor: float(value)})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.points, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("task", choices=["classify", "detect", "segment", "translate"])
+    parser.add_argument("--root", default=None, help="run directory (default runs/bench-<task>)")
+    args, overrides = parser.parse_known_args()
+    root = Path(args.root or f"runs/bench-{args.task}")
+    curve = root / "curve.json"
+    task = importlib.import_module(f"tasks.{args.task}")
+    common = [f"--trainer.default_root_dir={root}"]
+    fit_args = ["fit", *common, f"--trainer.callbacks+={__name__}.CurveRecorder",
+                f"--trainer.callbacks.init_args.path={curve}", *overrides]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    start = time.perf_counter()
+    task.main(fit_args)
+    fit_seconds = time.perf_counter() - start
+    best = sorted(root.rglob("best-*.ckpt"), key=lambda p: p.stat().st_mtime)[-1]
+    task.main(["test", *common, f"--ckpt_path={best}", *overrides])
+    metrics = json.loads((root / "predictions" / "metrics.json").read_text())
+    points = json.loads(curve.read_text())
+    monitor = [k for k in points[0] if k not in ("epoch", "step", "seconds")][0]
+    print(f"\n{args.task} demo: fit {fit_seconds:.0f} s; test on {best.name}: "
+          + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
+    print(f"\n| epoch | step | seconds | {monitor} |\n| --- | --- | --- | --- |")
+    for p in points:
+        print(f"| {p['epoch']} | {p['step']} | {p['seconds']} | {p[monitor]:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
