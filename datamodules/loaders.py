@@ -69,7 +69,9 @@ class SeededSamples(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: tuple[int, int]):
+    def __getitem__(self, key: tuple[int, int] | int):
+        if not isinstance(key, tuple):  # a plain sampler (e.g. Lightning's overfit_batches swaps one in)
+            return self.dataset[key]
         index, seed = key
         np_state, py_state = np.random.get_state(), random.getstate()
         with torch.random.fork_rng(devices=[]):

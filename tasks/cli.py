@@ -138,6 +138,13 @@ class SuiteCLI(LightningCLI):
             Path(config.trainer.default_root_dir).mkdir(parents=True, exist_ok=True)
             logger.init_args.save_dir = config.trainer.default_root_dir
 
+    def _instantiate_trainer(self, config: dict, callbacks: list) -> Trainer:
+        # `--trainer.enable_checkpointing false` means no checkpoints: drop the default ModelCheckpoint
+        # instead of letting Lightning refuse the combination
+        if config.get("enable_checkpointing") is False:
+            callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+        return super()._instantiate_trainer(config, callbacks)
+
     def after_fit(self) -> None:
         trainer = self.trainer
         if trainer.global_rank != 0:
