@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from backbones import Backbone
@@ -98,6 +99,9 @@ class SegmentationTask(TaskModule):
         self.num_sample_images = num_sample_images
         self.val_metric = SegmentationMetric(num_classes, ignore_index)
         self.test_metric = SegmentationMetric(num_classes, ignore_index)
+        # mean over images of the per-image loss; a metric, so ranks with unequal shares sync exactly
+        self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
         self._samples: list[dict] = []
 
     # -- model ----------------------------------------------------------------------------------------------
@@ -121,20 +125,22 @@ class SegmentationTask(TaskModule):
         return loss
 
     # -- evaluation (one image per step, scored at its original size) -------------------------------------------
-    def _evaluate(self, batch: dict, stage: str, metric: SegmentationMetric) -> torch.Tensor:
+    def _evaluate(self, batch: dict, metric: SegmentationMetric, loss_metric: MeanMetric) -> torch.Tensor:
         target = batch["mask"]
         logits = self(batch["image"], size=target.shape[-2:])["out"]
         preds = logits.argmax(1)
         metric.update(preds, target)
-        loss = F.cross_entropy(logits.float(), target, ignore_index=self.ignore_index)
         if (target != self.ignore_index).any():  # an all-ignore image has no loss to average
-            self.log(f"{stage}/loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=len(target))
+            loss_metric.update(F.cross_entropy(logits.float(), target, ignore_index=self.ignore_index))
         return preds
 
-    def _log_scores(self, stage: str, metric: SegmentationMetric) -> dict[str, torch.Tensor]:
-        scores = metric.scores()  # compute() already sums the matrix over ranks
+    def _log_scores(self, stage: str, metric: SegmentationMetric, loss_metric: MeanMetric) -> dict[str, torch.Tensor]:
+        scores = metric.scores()  # compute() sums the matrix over ranks
+        loss = loss_metric.compute()
         metric.reset()
-        logged = {f"{stage}/miou": scores["miou"].float(), f"{stage}/pixel_acc": scores["pixel_acc"].float()}
+        loss_metric.reset()
+        logged = {f"{stage}/miou": scores["miou"].float(), f"{stage}/pixel_acc": scores["pixel_acc"].float(),
+                  f"{stage}/loss": loss.float()}
         for name, iou, present in zip(self.class_names, scores["iou"], scores["present"]):
             if present:
                 logged[f"{stage}/iou/{name}"] = iou.float()
@@ -142,7 +148,7 @@ class SegmentationTask(TaskModule):
         return logged
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        preds = self._evaluate(batch, "val", self.val_metric)
+        preds = self._evaluate(batch, self.val_metric, self.val_loss)
         if len(self._samples) < self.num_sample_images and not self.trainer.sanity_checking:
             self._samples.append({"image": batch["image"][0], "pred": preds[0], "mask": batch["mask"][0]})
 
@@ -150,19 +156,17 @@ class SegmentationTask(TaskModule):
         self._samples = []
 
     def on_validation_epoch_end(self) -> None:
-        self._log_scores("val", self.val_metric)
+        self._log_scores("val", self.val_metric, self.val_loss)
         self._log_overlays()
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
-        preds = self._evaluate(batch, "test", self.test_metric)
+        preds = self._evaluate(batch, self.test_metric, self.test_loss)
         dataset = self.trainer.datamodule.test_set
         stem = dataset.stem(int(batch["index"][0]))
         self._write_mask(preds[0], self.predictions_dir / "masks" / f"{stem}.png")
 
     def on_test_epoch_end(self) -> None:
-        logged = self._log_scores("test", self.test_metric)
-        loss = self.trainer.callback_metrics.get("test/loss")
-        self.write_metrics_json({**logged, **({"test/loss": loss} if loss is not None else {})})
+        self.write_metrics_json(self._log_scores("test", self.test_metric, self.test_loss))
 
     # -- outputs ---------------------------------------------------------------------------------------------
     def _write_mask(self, labels: torch.Tensor, path) -> np.ndarray:

@@ -142,3 +142,31 @@ def test_paper_recipes_run_one_step(recipe, fitted, tmp_path):
             "--trainer.devices", "1", "--trainer.strategy", "auto", "--trainer.sync_batchnorm", "false",
             "--trainer.precision", "32-true", "--trainer.fast_dev_run", "1",
             "--trainer.default_root_dir", str(tmp_path / "run"), cache=cache)
+
+
+@pytest.mark.slow
+def test_two_process_test_equals_one_process(fitted, tmp_path):
+    """DESIGN.md: under DDP every image is counted once. 5 test images on 2 ranks: a padding
+    sampler would score one twice; the scores must equal the 1-process run exactly."""
+    root, run_dir, cache = fitted
+    odd = tmp_path / "VOC2012"
+    odd.mkdir()
+    for name in ("JPEGImages", "SegmentationClass", "class_names.txt"):
+        (odd / name).symlink_to(root / name)
+    (odd / "ImageSets" / "Segmentation").mkdir(parents=True)
+    stems = (root / "ImageSets" / "Segmentation" / "val.txt").read_text().split()
+    stems += (root / "ImageSets" / "Segmentation" / "test.txt").read_text().split()[:2]
+    for split in ("train", "val", "test"):
+        (odd / "ImageSets" / "Segmentation" / f"{split}.txt").write_text("\n".join(stems) + "\n")
+    ckpt = next(run_dir.rglob("last.ckpt"))
+    metrics = {}
+    for devices in (1, 2):
+        out = tmp_path / f"devices{devices}"
+        run_cli("test", "--data.root", str(odd), *TINY, "--ckpt_path", str(ckpt), "--trainer.devices", str(devices),
+                "--trainer.strategy", "ddp" if devices > 1 else "auto", "--trainer.logger", "false",
+                "--trainer.default_root_dir", str(out), cache=cache)
+        metrics[devices] = json.loads((out / "predictions" / "metrics.json").read_text())
+        assert sorted(p.stem for p in (out / "predictions" / "masks").iterdir()) == sorted(stems)
+    loss1, loss2 = metrics[1].pop("test/loss"), metrics[2].pop("test/loss")
+    assert metrics[1] == metrics[2]
+    assert loss1 == pytest.approx(loss2, rel=1e-6)
