@@ -81,7 +81,7 @@ def source_batch(batch_size: int = 32):
     return src[:, : int(src.ne(0).sum(1).max())], dm
 
 
-def bench_training(model, dm, steps: int) -> dict:
+def bench_training(model, dm, steps: int, repeats: int) -> dict:
     dm.setup("fit")
     batches = [b for _, b in zip(range(steps), dm.train_dataloader())]
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
@@ -96,12 +96,12 @@ def bench_training(model, dm, steps: int) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    seconds = timed(run, 2)
+    seconds = timed(run, repeats)
     tokens = sum(int(b["src"].ne(0).sum()) + int(b["tgt_out"].ne(0).sum()) for b in batches)
     return {"train_tokens_per_s": tokens / seconds, "steps": steps, "tokens": tokens, "seconds": seconds}
 
 
-def bench_decoding(dims: str, vocab: int, src: torch.Tensor, out_len: int = 64, repeats: int = 3) -> dict:
+def bench_decoding(dims: str, vocab: int, src: torch.Tensor, out_len: int = 64, repeats: int = 2) -> dict:
     from heads.decoding import beam_search
 
     torch.manual_seed(0)
@@ -148,8 +148,8 @@ def speed(args) -> dict:
     report = {"threads": args.threads, "torch": torch.__version__, "dims": args.dims, "vocab": vocab,
               "batch": list(src.shape)}
     torch.manual_seed(0)
-    report.update(bench_training(our_model(vocab, args.dims), dm, args.train_steps))
-    report.update(bench_decoding(args.dims, vocab, src))
+    report.update(bench_training(our_model(vocab, args.dims), dm, args.train_steps, args.repeats))
+    report.update(bench_decoding(args.dims, vocab, src, repeats=args.repeats))
     return report
 
 
@@ -209,6 +209,7 @@ def parse_args(argv=None):
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--dims", choices=sorted(DIMS), default="demo")
     s.add_argument("--train-steps", type=int, default=10)
+    s.add_argument("--repeats", type=int, default=2, help="timed repeats (best of), after one warm-up")
     c = sub.add_parser("curve")
     c.add_argument("--out", default="runs/bench_translate_curve")
     c.add_argument("extra", nargs="*", help="extra CLI overrides for the fit, e.g. --trainer.max_epochs=5")

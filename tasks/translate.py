@@ -129,7 +129,7 @@ class TranslationTask(TaskModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=n)
         self.log("train/ppl", math.exp(min(nll_sum.item() / n, 50.0)), batch_size=n)
         self.log("train/target_tokens", float(n), reduce_fx="sum", on_step=False, on_epoch=True)
-        return loss
+        return self.guard_loss(loss, batch_idx)
 
     # -- evaluation ------------------------------------------------------------------------------
     def _eval_step(self, batch: dict) -> None:
