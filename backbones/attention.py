@@ -159,6 +159,33 @@ class Attention(nn.Module):
                 bias = mask
         return blocked, bias
 
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+        kv_cache: KVCache | None = None,
+    ) -> Tensor:
+        """(B, N, D) queries attend to (B, S, D) keys/values -> (B, N, D); arguments as in the module docstring."""
+        self._check_args(query, key, is_causal, kv_cache)
+        return self._attend(query, key, value, key_padding_mask, attn_mask, is_causal, kv_cache)
+
+    def _attend(
+        self,
+        query: Tensor,
+        key: Tensor | None,
+        value: Tensor | None,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        kv_cache: KVCache | None,
+    ) -> Tensor:
+        raise NotImplementedError
+
     @staticmethod
     def _masked_softmax(logits: Tensor, blocked: Tensor | None, bias: Tensor | None) -> Tensor:
         if bias is not None:
@@ -212,18 +239,16 @@ class MultiHeadAttention(Attention):
             k, v = self._rows(self.qkv, key, d, 2 * d), self._rows(self.qkv, value, 2 * d, 3 * d)
         return self._heads(k), self._heads(v)
 
-    def forward(
+    def _attend(
         self,
         query: Tensor,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
-        *,
-        key_padding_mask: Tensor | None = None,
-        attn_mask: Tensor | None = None,
-        is_causal: bool = False,
-        kv_cache: KVCache | None = None,
+        key: Tensor | None,
+        value: Tensor | None,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        kv_cache: KVCache | None,
     ) -> Tensor:
-        self._check_args(query, key, is_causal, kv_cache)
         b, n, _ = query.shape
         self_attention = key is None or key is query
         static = kv_cache is not None and kv_cache.static
@@ -311,16 +336,30 @@ class SeparableSelfAttention(Attention):
         (1,) is the (B, N, D) interface; MobileViTv2 passes a channels-last patch grid
         (B, N_h, P_h, N_w, P_w, D) with ``token_dims=(1, 3)``, so every pixel position
         inside a patch attends over all patches without unfolding the map (no copy)."""
-        if token_dims != (1,):
-            if query.shape[-1] != self.dim or key is not None or key_padding_mask is not None or is_causal or kv_cache:
-                raise ValueError("token_dims other than (1,) is for unmasked, non-causal self-attention only")
-            logits, k, v = self.qkv(query).split([1, self.dim, self.dim], dim=-1)
-            logits = logits - logits.amax(dim=token_dims, keepdim=True)
-            weights = logits.exp_()
-            scores = self.attn_drop(weights / weights.sum(dim=token_dims, keepdim=True))
-            context = (k * scores).sum(dim=token_dims, keepdim=True)
-            return self.proj(F.relu(v) * context)
-        self._check_args(query, key, is_causal, kv_cache)
+        if token_dims == (1,):
+            return super().forward(
+                query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
+                kv_cache=kv_cache,
+            )
+        if query.shape[-1] != self.dim or key is not None or key_padding_mask is not None or is_causal or kv_cache:
+            raise ValueError("token_dims other than (1,) is for unmasked, non-causal self-attention only")
+        logits, k, v = self.qkv(query).split([1, self.dim, self.dim], dim=-1)
+        logits = logits - logits.amax(dim=token_dims, keepdim=True)
+        weights = logits.exp_()
+        scores = self.attn_drop(weights / weights.sum(dim=token_dims, keepdim=True))
+        context = (k * scores).sum(dim=token_dims, keepdim=True)
+        return self.proj(F.relu(v) * context)
+
+    def _attend(
+        self,
+        query: Tensor,
+        key: Tensor | None,
+        value: Tensor | None,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        kv_cache: KVCache | None,
+    ) -> Tensor:
         if attn_mask is not None:
             raise ValueError("SeparableSelfAttention has no pairwise scores, so it takes no attn_mask")
         logits, k, v = self.qkv(query).split([1, self.dim, self.dim], dim=-1)
@@ -404,18 +443,16 @@ class LinformerAttention(Attention):
         self.value_compress = nn.Parameter(torch.randn(proj_len, max_len) / math.sqrt(proj_len))
         self.dropout = dropout
 
-    def forward(
+    def _attend(
         self,
         query: Tensor,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
-        *,
-        key_padding_mask: Tensor | None = None,
-        attn_mask: Tensor | None = None,
-        is_causal: bool = False,
-        kv_cache: KVCache | None = None,
+        key: Tensor | None,
+        value: Tensor | None,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        kv_cache: KVCache | None,
     ) -> Tensor:
-        self._check_args(query, key, is_causal, kv_cache)
         if attn_mask is not None:
             raise ValueError("LinformerAttention attends to compressed tokens, so it takes no (N, S) attn_mask")
         key = query if key is None else key
@@ -451,18 +488,16 @@ class _SynthesizerBase(Attention):
     def _logits(self, query: Tensor, offset: int, n_key: int) -> Tensor:
         raise NotImplementedError
 
-    def forward(
+    def _attend(
         self,
         query: Tensor,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
-        *,
-        key_padding_mask: Tensor | None = None,
-        attn_mask: Tensor | None = None,
-        is_causal: bool = False,
-        kv_cache: KVCache | None = None,
+        key: Tensor | None,
+        value: Tensor | None,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        kv_cache: KVCache | None,
     ) -> Tensor:
-        self._check_args(query, key, is_causal, kv_cache)
         b, n, _ = query.shape
         static = kv_cache is not None and kv_cache.static
         if static and kv_cache.value is not None:
@@ -554,18 +589,16 @@ class AdditiveAttention(Attention):
         self.proj = nn.Linear(dim, dim, bias=bias)
         self.attn_drop = nn.Dropout(dropout)
 
-    def forward(
+    def _attend(
         self,
         query: Tensor,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
-        *,
-        key_padding_mask: Tensor | None = None,
-        attn_mask: Tensor | None = None,
-        is_causal: bool = False,
-        kv_cache: KVCache | None = None,
+        key: Tensor | None,
+        value: Tensor | None,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        kv_cache: KVCache | None,
     ) -> Tensor:
-        self._check_args(query, key, is_causal, kv_cache)
         b, n, _ = query.shape
         q = self._heads(self.q(query))
         static = kv_cache is not None and kv_cache.static

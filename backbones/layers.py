@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torchvision.ops import StochasticDepth
 
 from backbones.attention import SeparableSelfAttention, build_attention
+from backbones.base import Backbone
+from backbones.weights import load_pretrained
 
 
 def make_divisible(value: float, divisor: int = 8, min_value: int | None = None, round_limit: float = 0.9) -> int:
@@ -22,12 +24,9 @@ def make_divisible(value: float, divisor: int = 8, min_value: int | None = None,
 class ConvNormAct(nn.Module):
     """Conv2d (no bias) -> BatchNorm2d -> SiLU (or no activation). 'Same' padding for odd kernels.
 
-    Two CPU speed-ups that leave parameters and results unchanged:
-    - a 1x1 convolution runs as a matrix product over the channels-last view
-      (one GEMM forward, two backward; PyTorch's CPU kernels for pointwise
-      convolutions are several times slower);
-    - in eval mode the BatchNorm is folded into the convolution's weight and bias,
-      so inference skips the normalisation pass.
+    In eval mode the BatchNorm is folded into the convolution's weight and bias
+    (same parameters, same results up to rounding), so inference skips the
+    normalisation pass over the map.
     """
 
     def __init__(
@@ -45,21 +44,14 @@ class ConvNormAct(nn.Module):
         self.conv = nn.Conv2d(in_chs, out_chs, kernel_size, stride, padding, dilation, groups, bias=False)
         self.bn = nn.BatchNorm2d(out_chs)
         self.act = nn.SiLU(inplace=True) if act else nn.Identity()
-        self.pointwise = kernel_size == 1 and stride == 1 and groups == 1
-
-    def _conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.pointwise:
-            out = F.linear(x.permute(0, 2, 3, 1), weight.flatten(1), bias)  # (B, H, W, C_out)
-            return out.permute(0, 3, 1, 2)  # NCHW view, channels-last in memory
-        return self.conv._conv_forward(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bn = self.bn
         if self.training or bn.running_mean is None:
-            return self.act(bn(self._conv(x, self.conv.weight, None)))
+            return self.act(bn(self.conv(x)))
         scale = bn.weight * torch.rsqrt(bn.running_var + bn.eps)
         weight = self.conv.weight * scale.view(-1, 1, 1, 1)
-        return self.act(self._conv(x, weight, bn.bias - bn.running_mean * scale))
+        return self.act(self.conv._conv_forward(x, weight, bn.bias - bn.running_mean * scale))
 
 
 class InvertedResidual(nn.Module):
@@ -199,3 +191,28 @@ def dilated_stage_plan(
         total *= stride
         plan.append((stride, first_dilation, dilation, total))
     return plan
+
+
+class StagedBackbone(Backbone):
+    """A stem and a list of stages; the output of each stage is the feature map at
+    its stride (``stage_strides``). Subclasses build ``stem``, ``stages``,
+    ``stage_strides``, ``feature_channels`` and ``num_features``."""
+
+    stem: nn.Module
+    stages: nn.ModuleList
+    stage_strides: list[int]
+
+    def forward(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
+        self.check_input(x)
+        # channels-last once, here: every convolution then runs its channels-last
+        # kernel and the transformers' (B, H, W, C) views of the maps are free
+        x = self.stem(x.contiguous(memory_format=torch.channels_last))
+        features = {}
+        for stride, stage in zip(self.stage_strides, self.stages):
+            x = stage(x)
+            features[stride] = x
+        return features
+
+    def load_pretrained(self, path: str) -> None:
+        """Load a checkpoint (ours, timm or CVNets naming) into this backbone; see ``backbones.weights``."""
+        load_pretrained(self, path)

@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from backbones.base import Backbone
 from backbones.layers import (
     ConvNormAct,
     InvertedResidual,
+    StagedBackbone,
     TransformerLayer,
     dilated_stage_plan,
     resize_to_multiple,
@@ -105,7 +105,7 @@ class MobileViTBlock(nn.Module):
 
 
 @register_backbone("mobilevit")
-class MobileViT(Backbone):
+class MobileViT(StagedBackbone):
     """MobileViT v1, ``size`` in {"xxs", "xs", "s"}.
 
     ``forward(x)``: (B, in_chans, H, W) -> ``{2, 4, 8, 16, 32: stage outputs}``
@@ -165,18 +165,8 @@ class MobileViT(Backbone):
         self.num_features = num_features
 
         if pretrained:
-            from backbones.weights import load_pretrained
+            self.load_pretrained(pretrained)
 
-            load_pretrained(self, pretrained)
-
-    def forward(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
-        self.check_input(x)
-        x = self.stem(x.contiguous(memory_format=torch.channels_last))
-        features = {}
-        for stride, stage in zip(self.stage_strides, self.stages):
-            x = stage(x)
-            features[stride] = x
-        return features
 
     def forward_pooled(self, x: torch.Tensor) -> torch.Tensor:
         features = self(x)

@@ -32,11 +32,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from backbones.base import Backbone
 from backbones.layers import (
     ChannelsLastGroupNorm,
     ConvNormAct,
     InvertedResidual,
+    StagedBackbone,
     dilated_stage_plan,
     TransformerLayer,
     make_divisible,
@@ -104,7 +104,7 @@ class MobileViTv2Block(nn.Module):
 
 
 @register_backbone("mobilevitv2")
-class MobileViTv2(Backbone):
+class MobileViTv2(StagedBackbone):
     """MobileViTv2 with width multiplier ``width`` (paper: 0.5 to 2.0).
 
     ``forward(x)``: (B, in_chans, H, W) -> ``{2: .., 4: .., 8: .., 16: .., 32: ..}``,
@@ -116,6 +116,11 @@ class MobileViTv2(Backbone):
     ``forward_pooled(x)``: (B, num_features) global average of the last map, the
     input of the paper's linear classifier. ``pretrained``: a checkpoint path
     (ours, timm or CVNets; see ``backbones.weights``), loaded at construction.
+
+    Regularisation (all off by default, as the paper's recipe): ``drop_path_rate``
+    stochastic depth on the transformer layers' residual branches, rising linearly
+    with depth; ``dropout`` after attention and in the FFN; ``attn_dropout`` on the
+    context scores.
 
     ``attention`` swaps the token mixer for any variant of ``backbones.attention``
     (``num_heads`` and ``attention_kwargs``, e.g. ``{"max_len": 256}``, go to it);
@@ -169,15 +174,5 @@ class MobileViTv2(Backbone):
         self.num_features = in_chs
 
         if pretrained:
-            from backbones.weights import load_pretrained
+            self.load_pretrained(pretrained)
 
-            load_pretrained(self, pretrained)
-
-    def forward(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
-        self.check_input(x)
-        x = self.stem(x.contiguous(memory_format=torch.channels_last))
-        features = {}
-        for stride, stage in zip(self.stage_strides, self.stages):
-            x = stage(x)
-            features[stride] = x
-        return features
