@@ -65,8 +65,9 @@ class CocoDetection(Dataset):
     contiguous), ``image_id``, ``orig_size`` ``(height, width)`` and, for evaluation, the untransformed
     ground truth in original pixels: ``gt_boxes`` (N, 4) xyxy, ``gt_labels``, ``gt_iscrowd``, ``gt_area``.
 
-    Boxes reaching outside the image are clipped to it; boxes with no area left are dropped and
-    counted (:attr:`num_degenerate`, logged once). An annotation naming an unknown image or
+    Training boxes reaching outside the image are clipped to it; boxes with no area left are
+    dropped and counted (:attr:`num_degenerate`, logged once). The evaluation ground truth keeps
+    every annotation as the file has it, so mAP is COCOeval's on that file. An annotation naming an unknown image or
     category raises an error naming the annotation, the value and the file.
     """
 
@@ -101,16 +102,17 @@ class CocoDetection(Dataset):
             xyxy = np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], axis=1)
             clipped = xyxy.clip(0, [width, height, width, height])
             valid = (clipped[:, 2] > clipped[:, 0]) & (clipped[:, 3] > clipped[:, 1])
-            degenerate += [a.get("id") for a, ok in zip(anns, valid) if not ok]
-            anns = [a for a, ok in zip(anns, valid) if ok]
+            iscrowd = np.array([int(a.get("iscrowd", 0)) for a in anns], np.int64)
+            labels = np.array([self.label_of[a["category_id"]] for a in anns], np.int64)
+            # COCOeval sizes objects by the annotation's area (the mask's), not the box's
+            area = np.array([float(a.get("area", 0.0)) or (a["bbox"][2] * a["bbox"][3]) for a in anns], np.float32)
             self.targets[image_id] = {
-                "boxes": clipped[valid].astype(np.float32),
-                "labels": np.array([self.label_of[a["category_id"]] for a in anns], np.int64),
-                "iscrowd": np.array([int(a.get("iscrowd", 0)) for a in anns], np.int64),
-                # COCOeval sizes objects by the annotation's area (the mask's), not the box's
-                "area": np.array([float(a.get("area", 0.0)) or (a["bbox"][2] * a["bbox"][3]) for a in anns],
-                                 np.float32),
+                # training: clipped boxes with area, crowds left out later
+                "boxes": clipped[valid].astype(np.float32), "labels": labels[valid], "iscrowd": iscrowd[valid],
+                # evaluation: every annotation as written, exactly what COCOeval reads from the file
+                "gt_boxes": xyxy.astype(np.float32), "gt_labels": labels, "gt_iscrowd": iscrowd, "gt_area": area,
             }
+            degenerate += [a.get("id") for a, ok in zip(anns, valid) if not ok]
         self.num_degenerate = len(degenerate)
         if degenerate:
             rank_zero_warn(f"{self.annotation_file}: dropped {len(degenerate)} boxes with no area inside the image "
@@ -140,10 +142,7 @@ class CocoDetection(Dataset):
         target.update({
             "image_id": image_id,
             "orig_size": (int(height), int(width)),
-            "gt_boxes": torch.from_numpy(gt["boxes"]),
-            "gt_labels": torch.from_numpy(gt["labels"]),
-            "gt_iscrowd": torch.from_numpy(gt["iscrowd"]),
-            "gt_area": torch.from_numpy(gt["area"]),
+            **{key: torch.from_numpy(gt[key]) for key in ("gt_boxes", "gt_labels", "gt_iscrowd", "gt_area")},
         })
         return image, target
 

@@ -88,9 +88,8 @@ def test_labels_are_contiguous_and_map_back_to_category_ids(coco_root):
     assert dm.category_names[3] == "three"
     dataset = dm.split("val2017")
     for image_id in dataset.image_ids:
-        file_cats = sorted(a["category_id"] for a in dataset.coco.imgToAnns[image_id]
-                           if a["bbox"][2] > 0 and a["bbox"][3] > 0)
-        assert sorted(dm.category_ids[k] for k in dataset.targets[image_id]["labels"]) == file_cats
+        file_cats = sorted(a["category_id"] for a in dataset.coco.imgToAnns[image_id])
+        assert sorted(dm.category_ids[k] for k in dataset.targets[image_id]["gt_labels"]) == file_cats
 
 
 def test_crowds_stay_out_of_training_targets_but_in_ground_truth(coco_root):
@@ -121,6 +120,8 @@ def test_boxes_are_clipped_and_degenerate_ones_dropped_and_counted(coco_root, tm
     first = dataset.coco.dataset["annotations"][0]
     boxes = dataset.targets[first["image_id"]]["boxes"]
     assert [0.0, 0.0, 20.0, 15.0] in boxes.tolist()
+    # evaluation keeps the file's annotations as they are, as COCOeval does
+    assert [-10.0, -5.0, 20.0, 15.0] in dataset.targets[first["image_id"]]["gt_boxes"].tolist()
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -50,8 +50,8 @@ def synthetic_detections(dataset: CocoDetection, seed: int = 0) -> dict[int, dic
 
 def ground_truth(dataset: CocoDetection, image_id: int) -> dict[str, torch.Tensor]:
     gt = dataset.targets[image_id]
-    return {"boxes": torch.from_numpy(gt["boxes"]), "labels": torch.from_numpy(gt["labels"]),
-            "iscrowd": torch.from_numpy(gt["iscrowd"]), "area": torch.from_numpy(gt["area"])}
+    return {"boxes": torch.from_numpy(gt["gt_boxes"]), "labels": torch.from_numpy(gt["gt_labels"]),
+            "iscrowd": torch.from_numpy(gt["gt_iscrowd"]), "area": torch.from_numpy(gt["gt_area"])}
 
 
 def pycocotools_stats(dataset: CocoDetection, detections: dict[int, dict]) -> np.ndarray:
