@@ -74,7 +74,11 @@ class TranslationTask(TaskModule):
                  beam_size: int = 4, length_penalty: float = 0.6, max_len_a: float = 1.2, max_len_b: int = 10,
                  num_sample_translations: int = 16, predict_output: str = "-", **kwargs):
         super().__init__(**kwargs)
-        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        # decoding and output settings stay out of the checkpoint's hyper-parameters: LightningCLI
+        # applies those over the command line when --ckpt_path is given, and these are meant to be
+        # chosen per run (`test --model.beam_size 8`, `predict --model.predict_output out.txt`)
+        self.save_hyperparameters(ignore=["optimizer", "scheduler", "beam_size", "length_penalty", "max_len_a",
+                                          "max_len_b", "num_sample_translations", "predict_output"])
         self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
         self.max_positions = max_positions
         self.encoder = TransformerEncoder(
