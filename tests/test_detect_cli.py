@@ -85,4 +85,4 @@ def test_predict_writes_one_json_per_image_and_drawings(fitted, tmp_path):
 
 def test_no_config_means_the_demo_recipe(tmp_path):
     proc = run_cli("fit", "--print_config", cache=tmp_path)
-    assert "root: null" in proc.stdout and "MobileViTv2" in proc.stdout and "image_size: 128" in proc.stdout
+    assert "root: null" in proc.stdout and "backbones.MobileViTv2" in proc.stdout  # the embedded demo set
