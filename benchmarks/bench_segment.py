@@ -15,7 +15,10 @@ peer (output stride 16, 256-channel ASPP, no aux head):
 
 Models are measured interleaved (ours, peer, ours, ...) so that load from other
 processes hits all alike; the best of ``--reps`` is reported (on a shared machine other
-processes only ever add time).
+processes only ever add time). Beside wall-clock images/s, images per CPU-second of
+this process (``time.process_time``, all its threads) are reported: on a machine shared
+with other jobs they change far less than wall time, and with T threads an idle machine
+gives at most T times that many images per second.
 
     nice python benchmarks/bench_segment.py params
     nice python benchmarks/bench_segment.py speed --crop 512 --batch 4 --reps 3 --threads 2
@@ -91,22 +94,24 @@ def ours(width: float, output_stride: int, num_classes: int) -> nn.Module:
     return Segmenter(backbone, head)
 
 
-def train_seconds(model: nn.Module, images: torch.Tensor, target: torch.Tensor, optimizer) -> float:
+def train_seconds(model: nn.Module, images: torch.Tensor, target: torch.Tensor, optimizer) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one training step."""
     model.train()
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     loss = F.cross_entropy(model(images), target, ignore_index=255)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def eval_seconds(model: nn.Module, image: torch.Tensor) -> float:
+def eval_seconds(model: nn.Module, image: torch.Tensor) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one evaluation forward."""
     model.eval()
     with torch.inference_mode():
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         model(image)
-        return time.perf_counter() - start
+        return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def speed_table(crop: int, batch: int, reps: int, num_classes: int) -> str:
@@ -129,10 +134,13 @@ def speed_table(crop: int, batch: int, reps: int, num_classes: int) -> str:
         for name, model in models.items():
             train[name].append(train_seconds(model, images, target, optimizers[name]))
             evals[name].append(eval_seconds(model, image))
-    rows = [f"| model | params (M) | train img/s ({batch}x{crop}x{crop}) | eval img/s (1x{crop}x{crop * 4 // 3}) |",
-            "| --- | --- | --- | --- |"]
+    rows = [f"| model | params (M) | train img/s ({batch}x{crop}x{crop}) | train img/CPU-s "
+            f"| eval img/s (1x{crop}x{crop * 4 // 3}) | eval img/CPU-s |", "| --- | --- | --- | --- | --- | --- |"]
     for name, model in models.items():
-        rows.append(f"| {name} | {count(model) / 1e6:.2f} | {batch / min(train[name]):.2f} | {1 / min(evals[name]):.2f} |")
+        best_train = min(train[name])
+        best_eval = min(evals[name])
+        rows.append(f"| {name} | {count(model) / 1e6:.2f} | {batch / best_train[0]:.2f} | {batch / best_train[1]:.2f} "
+                    f"| {1 / best_eval[0]:.2f} | {1 / best_eval[1]:.2f} |")
     return "\n".join(rows)
 
 

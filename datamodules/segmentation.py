@@ -431,7 +431,8 @@ class SegmentationDataModule(LightningDataModule):
     def _loader(self, dataset: SegmentationDataset, train: bool):
         h = self.hparams
         return make_loader(dataset, batch_size=h.batch_size if train else 1, num_workers=h.num_workers, train=train,
-                           pin_memory=h.pin_memory, persistent_workers=h.persistent_workers)
+                           pin_memory=h.pin_memory, persistent_workers=h.persistent_workers,
+                           trainer=self.trainer if train else None)
 
     def train_dataloader(self):
         return self._loader(self.train_set, train=True)
