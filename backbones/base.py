@@ -32,6 +32,13 @@ class Backbone(nn.Module):
         feats = self(x)
         return feats[max(feats)].mean(dim=(2, 3))
 
+    def load_pretrained(self, path: str) -> None:
+        """Load a checkpoint (ours, timm or CVNets naming) into this backbone, strictly; see
+        :mod:`backbones.weights`. Backbones take it as their ``pretrained=<path>`` argument."""
+        from backbones.weights import load_pretrained
+
+        load_pretrained(self, path)
+
     @property
     def strides(self) -> list[int]:
         return sorted(self.feature_channels)

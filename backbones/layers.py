@@ -8,7 +8,6 @@ from torchvision.ops import StochasticDepth
 
 from backbones.attention import SeparableSelfAttention, build_attention
 from backbones.base import Backbone
-from backbones.weights import load_pretrained
 
 
 def make_divisible(value: float, divisor: int = 8, min_value: int | None = None, round_limit: float = 0.9) -> int:
@@ -213,6 +212,3 @@ class StagedBackbone(Backbone):
             features[stride] = x
         return features
 
-    def load_pretrained(self, path: str) -> None:
-        """Load a checkpoint (ours, timm or CVNets naming) into this backbone; see ``backbones.weights``."""
-        load_pretrained(self, path)

@@ -21,7 +21,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from backbones.base import Backbone
-from backbones.weights import check_fit, convert_checkpoint
 
 PYRAMID_NORMS = ("layernorm", "batchnorm")
 
@@ -145,20 +144,9 @@ class SingleScaleBackbone(Backbone):
         if pretrained:
             self.load_pretrained(pretrained)
 
-    def load_pretrained(self, path: str) -> None:
-        """Load the backbone part of checkpoint ``path`` (ours, Lightning's or timm's), strictly.
-
-        As :func:`backbones.weights.load_pretrained`, with :meth:`adapt_checkpoint` applied
-        before the strict check, so that a ViT takes weights made for another resolution.
-        """
-        canonical = convert_checkpoint(path, self)
-        weights = {k[len("backbone.") :]: v for k, v in canonical.items() if k.startswith("backbone.")}
-        weights = self.adapt_checkpoint(weights)
-        check_fit(weights, self, str(path))
-        self.load_state_dict(weights, strict=False)  # strict apart from BatchNorm step counters, checked above
-
     def adapt_checkpoint(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Fit a checkpoint's tensors to this model's shapes where that is well defined (nothing here)."""
+        """Fit a checkpoint's tensors to this model's shapes where that is well defined (nothing here);
+        :func:`backbones.weights.load_pretrained` calls it before its strict check."""
         return weights
 
     def forward_map(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract

@@ -163,6 +163,11 @@ def load_pretrained(backbone: nn.Module, path: str | Path) -> StateDict:
     """
     canonical = convert_checkpoint(path, backbone)
     weights = {k[len("backbone.") :]: v for k, v in canonical.items() if k.startswith("backbone.")}
+    # a backbone may fit tensors to its own shapes where that is well defined before the strict
+    # check (ViT resamples position embeddings made for another resolution)
+    adapt = getattr(backbone, "adapt_checkpoint", None)
+    if adapt is not None:
+        weights = adapt(weights)
     check_fit(weights, backbone, str(path))
     backbone.load_state_dict(weights, strict=False)  # strict apart from OPTIONAL_SUFFIXES, checked above
     return {k: v for k, v in canonical.items() if k.startswith("head.")}
