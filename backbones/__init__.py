@@ -22,3 +22,8 @@ from backbones.mobilevitv2 import MobileViTv2  # noqa: E402
 from backbones.weights import convert_checkpoint, load_pretrained  # noqa: E402
 
 __all__ += ["MobileViT", "MobileViTv2", "convert_checkpoint", "load_pretrained"]
+
+# the sequence encoder of the translation task
+from backbones.transformer import TransformerEncoder  # noqa: E402
+
+__all__ += ["TransformerEncoder"]

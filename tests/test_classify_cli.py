@@ -3,6 +3,7 @@ import csv
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.conftest import REPO
@@ -69,6 +70,7 @@ def test_ema_under_ddp_with_injected_optimizer(run_cli, tmp_path):
     assert any("EMAWeightAveraging" in key for key in ckpt["callbacks"])  # the average travels with the run
 
 
+@pytest.mark.slow
 def test_two_processes_score_every_test_image_once_and_match_one_process(run_cli, tmp_path, demo_cache):
     """The 269 test digits split unevenly over 2 gloo ranks (no DistributedSampler padding):
     top-1/top-5 and the written predictions equal the single-process run exactly."""

@@ -124,10 +124,13 @@ def test_crop_padding_and_rotation_fill_with_ignore():
     rotate = train_transform(crop_size=64, scale_range=(1.0, 1.0), hflip=0, photometric=0, blur=0,
                              rotate_degrees=10, rotate_p=1.0)
     big = np.zeros((64, 64), np.uint8)
-    out = rotate(image=np.full((64, 64, 3), 50, np.uint8), mask=big)
-    corners = out["mask"][[0, 0, -1, -1], [0, -1, 0, -1]]
-    assert set(out["mask"].unique().tolist()) <= {0, IGNORE_INDEX}
-    assert (corners == IGNORE_INDEX).sum() >= 2  # any rotation of at least a degree exposes corners
+    exposed = []
+    for seed in range(4):  # the angle is drawn in [-10, 10] from torch's RNG; a draw near 0 exposes no corner
+        torch.manual_seed(seed)
+        out = rotate(image=np.full((64, 64, 3), 50, np.uint8), mask=big)
+        assert set(out["mask"].unique().tolist()) <= {0, IGNORE_INDEX}
+        exposed.append(int((out["mask"][[0, 0, -1, -1], [0, -1, 0, -1]] == IGNORE_INDEX).sum()))
+    assert max(exposed) >= 2, exposed  # rotated corners are filled with the ignore label
 
 
 # -- label encodings --------------------------------------------------------------------------------------
