@@ -36,17 +36,23 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_task(task: str, *args: str, cwd: Path, check: bool = True, timeout: float = 600, input: str | None = None,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m tasks.<task> *args`` in ``cwd`` with :func:`clean_env`; a non-zero exit fails
+    the test with the end of the output (``check=False`` returns it instead)."""
+    proc = subprocess.run([sys.executable, "-m", f"tasks.{task}", *args], cwd=cwd, env=clean_env(**(env or {})),
+                          capture_output=True, text=True, timeout=timeout, input=input)
+    if check and proc.returncode != 0:
+        pytest.fail(f"tasks.{task} {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
+                    f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
 @pytest.fixture
 def run_cli(tmp_path):
-    """``run_cli("classify", "fit", "--trainer.max_steps", "2")`` runs ``python -m tasks.classify``
-    in ``tmp_path`` and returns the CompletedProcess; a non-zero exit fails with the output."""
+    """``run_cli("classify", "fit", "--trainer.max_steps", "2")`` runs the task's CLI in ``tmp_path``."""
 
-    def run(task: str, *args: str, check: bool = True, timeout: float = 600, env: dict | None = None):
-        proc = subprocess.run([sys.executable, "-m", f"tasks.{task}", *args], cwd=tmp_path, env=clean_env(**(env or {})),
-                              capture_output=True, text=True, timeout=timeout)
-        if check and proc.returncode != 0:
-            pytest.fail(f"tasks.{task} {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
-                        f"\n--- stderr\n{proc.stderr[-6000:]}")
-        return proc
+    def run(task: str, *args: str, **kwargs):
+        return run_task(task, *args, cwd=tmp_path, **kwargs)
 
     return run

@@ -4,14 +4,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+
 from datamodules.demo_scenes import coco_category_id, write_coco_layout
+from tests.conftest import run_task
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--data.image_size", "64", "--data.batch_size", "4", "--data.eval_batch_size", "4", "--data.num_workers", "0",
@@ -19,11 +19,7 @@ TINY = ["--data.image_size", "64", "--data.batch_size", "4", "--data.eval_batch_
 
 
 def run_cli(*args: str, cache: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "NO_ALBUMENTATIONS_UPDATE": "1", "SUITE_DATA_CACHE": str(cache)}
-    proc = subprocess.run([sys.executable, "-m", "tasks.detect", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
+    return run_task("detect", *args, cwd=REPO, env={"SUITE_DATA_CACHE": str(cache)})
 
 
 @pytest.fixture(scope="module")

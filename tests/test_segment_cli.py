@@ -4,17 +4,17 @@ and every shipped recipe parses."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
 from PIL import Image
 
 from datamodules.segmentation import IGNORE_INDEX, read_mask, write_voc_demo
 from tasks.cli import recipe_path
+from tests.conftest import run_task
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "configs" / "segment").glob("*.yaml"))
@@ -28,11 +28,7 @@ TINY = [
 
 
 def run_cli(*args: str, cache: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "NO_ALBUMENTATIONS_UPDATE": "1", "SUITE_DATA_CACHE": str(cache)}
-    proc = subprocess.run([sys.executable, "-m", "tasks.segment", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return run_task("segment", *args, cwd=REPO, env={"SUITE_DATA_CACHE": str(cache)})
 
 
 @pytest.fixture(scope="module")
