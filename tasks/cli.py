@@ -43,6 +43,31 @@ def recipe_path(task: str, name: str) -> Path:
     return Path(configs.__file__).parent / task / name
 
 
+class LatestAndBestCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint whose ``last.ckpt`` always holds the latest state. Lightning (2.5+) rewrites
+    ``last.ckpt`` only when a top-k file is written, so after a non-improving epoch
+    ``--ckpt_path last`` would resume from the best epoch instead of the latest one."""
+
+    def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        self._last_refreshed_step = trainer.global_step
+
+    def _refresh_last(self, trainer: Trainer) -> None:
+        if (self.save_last and not self._should_skip_saving_checkpoint(trainer)
+                and getattr(self, "_last_refreshed_step", -1) != trainer.global_step):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._refresh_last(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._refresh_last(trainer)
+
+
 class SaveConfigToRun(SaveConfigCallback):
     """Store the resolved config with the run: ``config.yaml`` in the wandb run's files
     (synced with it) and the values as wandb config; with no wandb logger, in the
@@ -102,7 +127,7 @@ class SuiteCLI(LightningCLI):
                  "init_args": {"logging_interval": "step"}},
             ],
         })
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(LatestAndBestCheckpoint, "checkpoint")
         parser.set_defaults({
             "checkpoint.monitor": self.monitor,
             "checkpoint.mode": self.mode,

@@ -86,3 +86,14 @@ def test_two_processes_score_every_test_image_once_and_match_one_process(run_cli
     n_test = sum(1 for _ in (demo_cache / "digits-imagefolder-v1" / "test").rglob("*.png"))
     assert len(rows[0]) == len(rows[1]) == n_test
     assert [r["prediction"] for r in rows[0]] == [r["prediction"] for r in rows[1]]
+
+
+def test_last_checkpoint_is_the_latest_epoch_even_when_it_is_not_the_best(run_cli, tmp_path):
+    """Lightning rewrites last.ckpt only with a new best; ours must follow every epoch (resume)."""
+    run_cli("classify", "fit", *TINY, "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "1",
+            "--trainer.limit_val_batches", "1", "--trainer.logger", "false", "--trainer.callbacks", "[]",
+            "--checkpoint.monitor", "epoch", "--checkpoint.mode", "min")  # only epoch 0 is ever "best"
+    import torch
+
+    last = torch.load(tmp_path / "runs/classify/checkpoints/last.ckpt", weights_only=True)
+    assert last["epoch"] == 2 and last["global_step"] == 3
