@@ -32,7 +32,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from datamodules.demo import demo_root
-from datamodules.loaders import make_loader
+from datamodules.loaders import SplitLoaders, make_loader
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -210,7 +210,7 @@ def collate_detection(batch: list) -> tuple[torch.Tensor, list[dict]]:
     return torch.stack(images), list(targets)
 
 
-class CocoDataModule(LightningDataModule):
+class CocoDataModule(SplitLoaders, LightningDataModule):
     """Object detection data in the COCO layout.
 
     Args:
@@ -307,16 +307,6 @@ class CocoDataModule(LightningDataModule):
         h = self.hparams
         return make_loader(dataset, batch_size=h.batch_size if train else (h.eval_batch_size or h.batch_size),
                            num_workers=h.num_workers, train=train, pin_memory=h.pin_memory,
-                           persistent_workers=h.persistent_workers, collate_fn=collate_detection)
+                           persistent_workers=h.persistent_workers, collate_fn=collate_detection,
+                           trainer=self.trainer if train else None)
 
-    def train_dataloader(self):
-        return self._loader(self.train_set, train=True)
-
-    def val_dataloader(self):
-        return self._loader(self.val_set, train=False)
-
-    def test_dataloader(self):
-        return self._loader(self.test_set, train=False)
-
-    def predict_dataloader(self):
-        return self._loader(self.predict_set, train=False)

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset, default_collate
 from torchvision.transforms import v2
 
 from datamodules.demo import demo_root
-from datamodules.loaders import make_loader
+from datamodules.loaders import SplitLoaders, make_loader
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def build_digits_imagefolder(root: Path, size: int = 32, seed: int = 0) -> None:
                 img.save(folder / f"digit_{i:04d}.png")
 
 
-class ImageFolderDataModule(LightningDataModule):
+class ImageFolderDataModule(SplitLoaders, LightningDataModule):
     """Classification data in ImageNet/ImageFolder layout.
 
     Args:
@@ -229,7 +229,7 @@ class ImageFolderDataModule(LightningDataModule):
         if stage in ("fit", "validate"):
             self.val_set = self._dataset(self.hparams.val_dir, train=False)
         if stage in ("test", "predict"):
-            self.test_set = self._dataset(self.test_dir, train=False)
+            self.test_set = self.predict_set = self._dataset(self.test_dir, train=False)
 
     def _loader(self, dataset, train: bool):
         h = self.hparams
@@ -241,14 +241,3 @@ class ImageFolderDataModule(LightningDataModule):
                            pin_memory=h.pin_memory, persistent_workers=h.persistent_workers, collate_fn=collate,
                            trainer=self.trainer if train else None)
 
-    def train_dataloader(self):
-        return self._loader(self.train_set, train=True)
-
-    def val_dataloader(self):
-        return self._loader(self.val_set, train=False)
-
-    def test_dataloader(self):
-        return self._loader(self.test_set, train=False)
-
-    def predict_dataloader(self):
-        return self._loader(self.test_set, train=False)

@@ -106,3 +106,21 @@ def make_loader(dataset: Dataset, *, batch_size: int, num_workers: int, train: b
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, num_workers=num_workers,
                       pin_memory=pin_memory and torch.cuda.is_available(), collate_fn=collate_fn,
                       generator=torch.Generator().manual_seed(seed), **extra)
+
+
+class SplitLoaders:
+    """The dataloader hooks of a LightningDataModule whose ``setup`` fills ``train_set``,
+    ``val_set``, ``test_set`` / ``predict_set`` and whose ``_loader(dataset, train)`` builds a loader
+    (with :func:`make_loader`, passing ``trainer=self.trainer`` for training so it can resume)."""
+
+    def train_dataloader(self):
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self):
+        return self._loader(self.val_set, train=False)
+
+    def test_dataloader(self):
+        return self._loader(self.test_set, train=False)
+
+    def predict_dataloader(self):
+        return self._loader(self.predict_set, train=False)

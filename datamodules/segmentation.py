@@ -35,7 +35,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from datamodules.demo import demo_root
-from datamodules.loaders import make_loader
+from datamodules.loaders import SplitLoaders, make_loader
 from datamodules.segmentation_transforms import IGNORE_INDEX, eval_transform, train_transform
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -304,7 +304,7 @@ def read_ade20k_names(path: Path) -> list[str]:
     return names
 
 
-class SegmentationDataModule(LightningDataModule):
+class SegmentationDataModule(SplitLoaders, LightningDataModule):
     """ADE20k or PASCAL VOC 2012 (or the embedded demo in the VOC layout).
 
     Args:
@@ -434,17 +434,6 @@ class SegmentationDataModule(LightningDataModule):
                            pin_memory=h.pin_memory, persistent_workers=h.persistent_workers,
                            trainer=self.trainer if train else None)
 
-    def train_dataloader(self):
-        return self._loader(self.train_set, train=True)
-
-    def val_dataloader(self):
-        return self._loader(self.val_set, train=False)
-
-    def test_dataloader(self):
-        return self._loader(self.test_set, train=False)
-
-    def predict_dataloader(self):
-        return self._loader(self.predict_set, train=False)
 
 
 __all__ = [
