@@ -32,13 +32,30 @@ def eval_sampler(dataset: Dataset) -> UnrepeatedDistributedSampler | None:
     return UnrepeatedDistributedSampler(dataset, shuffle=False) if world > 1 else None
 
 
+def restart_position(trainer) -> tuple[int, int] | None:
+    """``(epoch, batches trained)`` when Lightning is restarting ``fit`` from a checkpoint taken
+    within that epoch, else ``None``. A training sampler calls it when iteration starts,
+    rebuilds that epoch's order and skips the batches already trained on (this rank's share);
+    its ``__len__`` stays the full epoch, since Lightning counts those batches in itself.
+
+    The count is the epoch's ``processed`` batches, not ``completed``: a checkpoint written in
+    ``on_train_batch_end`` has not yet marked its own batch completed, and Lightning's epoch
+    loop catches up only when it starts, after the loader's iterator exists (a batch sampler,
+    or worker processes, ask the sampler for indices as soon as the iterator is created).
+    ``processed`` is the same number before and after that catch-up."""
+    loop = getattr(trainer, "fit_loop", None)
+    if loop is None or not loop.restarting:
+        return None
+    return trainer.current_epoch, loop.epoch_loop.batch_progress.current.processed
+
+
 class ResumableSampler(DistributedSampler):
     """Seeded, sharded shuffling that resumes mid-epoch.
 
     Yields ``(index, sample_seed)`` keys for :class:`SeededSamples`. ``trainer`` (optional)
     is read when iteration starts: if Lightning is restarting within an epoch, that epoch's
-    order is rebuilt and the ``batches completed x batch_size`` samples already seen by this
-    rank are skipped. Being a ``DistributedSampler``, Lightning does not replace it under DDP.
+    order is rebuilt and the ``batches trained x batch_size`` samples already seen by this
+    rank are skipped (:func:`restart_position`). Being a ``DistributedSampler``, Lightning does not replace it under DDP.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, trainer=None, seed: int = 0, drop_last: bool = True):
@@ -49,10 +66,11 @@ class ResumableSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         skip = 0
-        loop = getattr(self.trainer, "fit_loop", None)
-        if loop is not None and loop.restarting:
-            self.set_epoch(self.trainer.current_epoch)
-            skip = loop.epoch_loop.batch_progress.current.completed * self.batch_size
+        restart = restart_position(self.trainer)
+        if restart is not None:
+            epoch, trained = restart
+            self.set_epoch(epoch)
+            skip = trained * self.batch_size
         epoch = self.epoch
         indices = list(super().__iter__())[skip:]
         return iter([(i, hash((self.seed, epoch, i)) & 0x7FFF_FFFF) for i in indices])

@@ -8,7 +8,10 @@ read the same way.
 Batches hold as many sentences as fit into ``max_tokens`` padded tokens per side
 (``batch size x longest sentence <= max_tokens``, fairseq's convention), built from
 length-sorted sentences so little is padding. Training batches are re-drawn every
-epoch from ``seed + epoch`` (ties in length broken randomly, batch order shuffled);
+epoch from ``seed + epoch`` (ties in length broken randomly, batch order shuffled)
+and, after a restart from a checkpoint taken within an epoch, skip the batches already
+trained on (sentences are tokenized once, without sampling, so a sentence is the same
+tensor whenever it is drawn: resuming replays the uninterrupted run exactly);
 evaluation batches are fixed. Under DDP the datamodule shards batches itself:
 training ranks get disjoint batches (the same number on each rank), evaluation ranks
 get disjoint sentences that together cover each sentence exactly once. Run with
@@ -33,6 +36,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from datamodules.demo_text import demo_translation_root
+from datamodules.loaders import restart_position
 from datamodules.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, joint_tokenizer
 
 log = logging.getLogger(__name__)
@@ -152,7 +156,10 @@ class TokenBatchSampler(Sampler[list[int]]):
 
     ``shuffle=True`` (training): every epoch, a permutation seeded by ``seed + epoch`` breaks
     length ties before sorting, the packed batches are shuffled, and rank r takes batches
-    r, r + R, ... of the first ``R * floor(n / R)`` (equal step counts on all ranks).
+    r, r + R, ... of the first ``R * floor(n / R)`` (equal step counts on all ranks). With
+    ``trainer`` given, iteration that starts while Lightning restarts ``fit`` mid-epoch
+    rebuilds that epoch's batches and skips those already trained on (see
+    :func:`datamodules.loaders.restart_position`); ``len`` stays the whole epoch.
 
     ``shuffle=False`` (evaluation): sentences, not batches, are dealt out, so rank r
     evaluates sentences r, r + R, ... of the length-sorted order: every sentence exactly
@@ -160,7 +167,7 @@ class TokenBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, num_tokens: np.ndarray, max_tokens: int, *, shuffle: bool, seed: int = 0,
-                 num_replicas: int = 1, rank: int = 0, max_sentences: int | None = None):
+                 num_replicas: int = 1, rank: int = 0, max_sentences: int | None = None, trainer=None):
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         if not 0 <= rank < num_replicas:
@@ -173,6 +180,7 @@ class TokenBatchSampler(Sampler[list[int]]):
         self.num_replicas = num_replicas
         self.rank = rank
         self.epoch = 0
+        self.trainer = trainer
         self._cached: tuple[int, list[np.ndarray]] | None = None
         # Lightning calls ``set_epoch`` on ``dataloader.batch_sampler.sampler``
         self.sampler = self
@@ -200,7 +208,12 @@ class TokenBatchSampler(Sampler[list[int]]):
         return batches[self.rank : usable : self.num_replicas]
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter([b.tolist() for b in self.batches()])
+        skip = 0
+        restart = restart_position(self.trainer) if self.shuffle else None
+        if restart is not None:
+            epoch, skip = restart
+            self.set_epoch(epoch)
+        return iter([b.tolist() for b in self.batches()[skip:]])
 
     def __len__(self) -> int:
         return len(self.batches())
@@ -320,9 +333,10 @@ class TranslationDataModule(LightningDataModule):
     def _loader(self, data: ParallelText, shuffle: bool, max_tokens: int) -> DataLoader:
         replicas, rank = self._replicas()
         sampler = TokenBatchSampler(data.num_tokens, max_tokens, shuffle=shuffle, seed=self.seed,
-                                    num_replicas=replicas, rank=rank)
+                                    num_replicas=replicas, rank=rank, trainer=self.trainer if shuffle else None)
+        # a private generator: creating the iterator must not consume the global RNG (exact resume)
         return DataLoader(data, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
+                          persistent_workers=self.num_workers > 0, generator=torch.Generator().manual_seed(self.seed))
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.dataset(self.splits["fit"], training=True), True, self.max_tokens)
