@@ -1,6 +1,7 @@
 """Translation resumes exactly mid-epoch: the token-batch sampler rebuilds the interrupted
 epoch's batches and skips those already trained on, so killing `fit` and resuming with
-`--ckpt_path last` ends where an uninterrupted run ends (weights, Adam state, schedule, RNG, best validation loss)."""
+`--ckpt_path last` ends where an uninterrupted run ends (weights, Adam state, schedule,
+RNG states, best validation loss)."""
 from types import SimpleNamespace
 
 import numpy as np
