@@ -18,7 +18,7 @@ from typing import Sequence
 
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
@@ -164,10 +164,21 @@ class SuiteCLI(LightningCLI):
             logger.init_args.save_dir = config.trainer.default_root_dir
 
     def _instantiate_trainer(self, config: dict, callbacks: list) -> Trainer:
-        # `--trainer.enable_checkpointing false` means no checkpoints: drop the default ModelCheckpoint
-        # instead of letting Lightning refuse the combination
-        if config.get("enable_checkpointing") is False:
-            callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+        # `--trainer.enable_checkpointing false`, `--trainer.enable_progress_bar false` and
+        # `--trainer.logger false` switch our default callbacks off instead of letting Lightning
+        # refuse the combination
+        unwanted = tuple(
+            kind
+            for kind, switched_off in (
+                (ModelCheckpoint, config.get("enable_checkpointing") is False),
+                (ProgressBar, config.get("enable_progress_bar") is False),
+                (LearningRateMonitor, config.get("logger") is False),
+            )
+            if switched_off
+        )
+        if unwanted:
+            callbacks = [c for c in callbacks if not isinstance(c, unwanted)]
+            config["callbacks"] = [c for c in config.get("callbacks") or [] if not isinstance(c, unwanted)]
         return super()._instantiate_trainer(config, callbacks)
 
     def after_fit(self) -> None:
