@@ -258,6 +258,20 @@ def first_error(dm, tries: int = 20) -> Exception | None:
     return None
 
 
+def use_fallback_if_failing(name: str, pipeline: Pipeline, root: Path, recipe: dict) -> str | None:
+    """Read a few training items with ``recipe``; if that raises, switch ``recipe`` to the known
+    fallback (:data:`FALLBACKS`) and return a note saying so, else raise."""
+    probe = pipeline.datamodule(root=str(root), num_workers=0, **recipe)
+    probe.setup("fit")
+    error = first_error(probe)
+    if error is None:
+        return None
+    if name not in FALLBACKS:
+        raise RuntimeError(f"{name}: the training pipeline of {pipeline.config} fails") from error
+    recipe.update(FALLBACKS[name])
+    return f"{name}: the recipe's pipeline raises `{type(error).__name__}: {error}`; measured with {FALLBACKS[name]} instead"
+
+
 def endless(loader):
     """Batches of ``loader`` over epoch after epoch (setting the sampler's epoch, as Lightning does)."""
     epoch = 0
@@ -295,11 +309,11 @@ def measure(loader, workers: int, min_items: int, text: bool) -> tuple[int, floa
 
 def run(args) -> None:
     torch.set_num_threads(1)
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)  # per-split counts
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)  # COCO's image counts per split
     print(f"machine: {os.cpu_count()} CPUs ({len(os.sched_getaffinity(0))} usable), torch {torch.__version__}, "
           f"torch threads per loading process 1, OpenCV threads {cv2.getNumThreads()} (albumentations; DataLoader "
           f"leaves them), load average {os.getloadavg()[0]:.1f}; "
-          f"data: {'demo files as they are' if args.native else 'demo sets upscaled to benchmark image sizes'}")
+          f"data: {'demo files as they are' if args.native else 'demo sets upscaled to benchmark image sizes'}", flush=True)
     vision = ["| pipeline | recipe | images (first, mean file) | batch | workers | batches timed | images/s "
               "| images/s per loading process |", "|---|---|---|---:|---:|---:|---:|---:|"]
     text = ["| pipeline | recipe | source sentence | max tokens | workers | batches timed | sentences/s "
@@ -314,15 +328,9 @@ def run(args) -> None:
             recipe["batch_size"] = args.batch_size
         root = dataset_root(name, pipeline, recipe, args.native)
         data = describe_data(pipeline, root, recipe)
-        probe = pipeline.datamodule(root=str(root), num_workers=0, **recipe)
-        probe.setup("fit")
-        error = first_error(probe)
-        if error is not None:
-            if name not in FALLBACKS:
-                raise RuntimeError(f"{name}: the training pipeline of {pipeline.config} fails") from error
-            recipe.update(FALLBACKS[name])
-            notes.append(f"{name}: the recipe's pipeline raises `{type(error).__name__}: {error}`; "
-                         f"measured with {FALLBACKS[name]} instead")
+        note = use_fallback_if_failing(name, pipeline, root, recipe)
+        if note:
+            notes.append(note)
         for workers in args.workers:
             dm = pipeline.datamodule(root=str(root), num_workers=workers, **recipe)
             start = time.perf_counter()
