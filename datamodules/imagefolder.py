@@ -117,7 +117,9 @@ def train_transform(image_size: int, scale: tuple[float, float], hflip: float, r
     if hflip > 0:
         steps.append(v2.RandomHorizontalFlip(hflip))
     if rand_augment:
-        steps.append(v2.RandAugment(magnitude=rand_augment_magnitude, interpolation=interp))
+        # its rotations and shears run on tensors, which torchvision warps only with nearest or
+        # bilinear sampling: bicubic (the recipes' crop interpolation) would fail on those ops
+        steps.append(v2.RandAugment(magnitude=rand_augment_magnitude, interpolation=v2.InterpolationMode.BILINEAR))
     steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
     if random_erasing > 0:
         steps.append(v2.RandomErasing(p=random_erasing, value=0))

@@ -75,3 +75,21 @@ def test_mixing_collate_yields_soft_targets():
     assert batch["target"].shape == (6, 4) and batch["skipped"] == 1
     torch.testing.assert_close(batch["target"].sum(-1), torch.ones(6))
     assert collate_skipping([None])["skipped"] == 1
+
+
+def test_imagenet_recipe_augmentation_runs_with_bicubic_crops():
+    """The paper recipe crops bicubically and applies RandAugment, whose rotations and shears
+    torchvision cannot do bicubically on tensors: every op must still run."""
+    import yaml
+
+    from datamodules.imagefolder import train_transform
+    from tests.conftest import REPO
+
+    data = yaml.safe_load((REPO / "configs/classify/imagenet_mobilevitv2_100.yaml").read_text())["data"]
+    assert data["interpolation"] == "bicubic" and data["rand_augment"]
+    transform = train_transform(64, tuple(data["scale"]), data["hflip"], True, 9, data["random_erasing"],
+                                data["mean"], data["std"], data["interpolation"])
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8))
+    torch.manual_seed(0)
+    for _ in range(60):  # 2 ops of 14 per call: every op is drawn with near certainty
+        assert transform(image).shape == (3, 64, 64)
