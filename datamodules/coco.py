@@ -184,13 +184,14 @@ class IoUCropWhenBoxes(v2.RandomIoUCrop):
 
 
 def ssd_train_transform(image_size: int, mean: Sequence[float], std: Sequence[float],
-                        zoom_out_max: float = 4.0, hflip: float = 0.5) -> v2.Compose:
+                        zoom_out_max: float = 4.0, iou_crop: bool = True, hflip: float = 0.5) -> v2.Compose:
     """The SSD recipe's augmentation (Liu et al. 2016, sec. 2.2 / torchvision's SSD preset)."""
     fill = {tv_tensors.Image: [round(255 * m) for m in mean], "others": 0}
     steps = [v2.RandomPhotometricDistort(p=0.5)]
     if zoom_out_max > 1:
         steps.append(v2.RandomZoomOut(fill=fill, side_range=(1.0, zoom_out_max), p=0.5))
-    steps.append(IoUCropWhenBoxes())
+    if iou_crop:
+        steps.append(IoUCropWhenBoxes())
     if hflip > 0:
         steps.append(v2.RandomHorizontalFlip(hflip))
     steps += [v2.Resize((image_size, image_size), antialias=True), v2.ClampBoundingBoxes(),
@@ -221,13 +222,14 @@ class CocoDataModule(SplitLoaders, LightningDataModule):
             file, else ``val_split`` (COCO's own test2017 is unlabelled).
         predict_path: an image or a folder of images for ``predict``; ``None`` = the test split's images.
         image_size: side of the square model input.
-        zoom_out_max: largest zoom-out canvas factor (1 disables zoom-out). hflip: flip probability.
+        zoom_out_max: largest zoom-out canvas factor (1 disables zoom-out).
+        iou_crop: SSD's IoU-constrained random crop. hflip: flip probability.
         mean, std: normalisation (0/1 for CVNets checkpoints, which expect unnormalised input).
     """
 
     def __init__(self, root: str | None = None, train_split: str = "train2017", val_split: str = "val2017",
                  test_split: str | None = None, predict_path: str | None = None, image_size: int = 320,
-                 zoom_out_max: float = 4.0, hflip: float = 0.5,
+                 zoom_out_max: float = 4.0, iou_crop: bool = True, hflip: float = 0.5,
                  mean: tuple[float, float, float] = IMAGENET_MEAN, std: tuple[float, float, float] = IMAGENET_STD,
                  batch_size: int = 32, eval_batch_size: int | None = None, num_workers: int = 4,
                  pin_memory: bool = True, persistent_workers: bool = True):
@@ -285,7 +287,7 @@ class CocoDataModule(SplitLoaders, LightningDataModule):
     # -- datasets and loaders --------------------------------------------------------------------------
     def split(self, name: str, train: bool = False) -> CocoDetection:
         h = self.hparams
-        transform = (ssd_train_transform(h.image_size, h.mean, h.std, h.zoom_out_max, h.hflip) if train
+        transform = (ssd_train_transform(h.image_size, h.mean, h.std, h.zoom_out_max, h.iou_crop, h.hflip) if train
                      else eval_transform(h.image_size, h.mean, h.std))
         dataset = CocoDetection(self.root / name, self.annotation_file(name), transform, self.category_ids)
         rank_zero_info(f"{name}: {len(dataset)} images, {len(dataset.coco.anns)} annotations")

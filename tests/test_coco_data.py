@@ -168,6 +168,29 @@ def test_ssd_augmentation_keeps_boxes_on_their_objects():
         assert torch.allclose(torch.stack(extent), out["boxes"][0].float(), atol=1.5)
 
 
+def test_without_iou_crop_every_object_stays_whole():
+    """``iou_crop=False`` (the demo recipe): only photometric changes and the resize, so every
+    box survives, scaled exactly; with the crop, some draws cut objects away."""
+    boxes = [[5, 5, 25, 35], [60, 50, 110, 85], [90, 2, 118, 20]]
+    pixels = torch.zeros(3, 90, 120, dtype=torch.uint8)
+    scale = torch.tensor([64 / 120, 64 / 90, 64 / 120, 64 / 90])
+    kept = {}
+    for iou_crop in (False, True):
+        transform = ssd_train_transform(64, MEAN, STD, zoom_out_max=1.0, iou_crop=iou_crop, hflip=0.0)
+        kept[iou_crop] = []
+        for seed in range(12):
+            torch.manual_seed(seed)
+            target = {"boxes": tv_tensors.BoundingBoxes(torch.tensor(boxes, dtype=torch.float32), format="XYXY",
+                                                        canvas_size=(90, 120)),
+                      "labels": torch.tensor([1, 2, 3])}
+            _, out = transform(tv_tensors.Image(pixels), target)
+            kept[iou_crop].append(len(out["boxes"]))
+            if not iou_crop:
+                assert out["labels"].tolist() == [1, 2, 3]
+                assert torch.allclose(out["boxes"].float(), torch.tensor(boxes).float() * scale, atol=1e-4)
+    assert min(kept[True]) < 3
+
+
 def test_test_split_prefers_labelled_test2017_then_val(coco_root):
     assert CocoDataModule(root=str(coco_root)).test_split == "val2017"
     assert CocoDataModule(root=str(coco_root), test_split="train2017").test_split == "train2017"
