@@ -112,6 +112,28 @@ def test_default_recipe_is_the_demo():
     assert recipe_path("segment", "demo_deeplabv3_mobilevitv2.yaml") in RECIPES
 
 
+def test_demo_recipe_atrous_rates_fit_its_feature_map():
+    """At the demo's small crops a dilated 3x3 whose rate reaches the map side samples only
+    padding (it degenerates to a 1x1 conv); the recipe's rates must stay inside the map the
+    head reads, at the training crop and at the demo's 128 px evaluation size."""
+    import torch
+    import yaml
+
+    from backbones import MobileViTv2
+    from datamodules.segmentation import DEMO_SIZE
+    from heads.deeplabv3 import DeepLabV3
+
+    recipe = yaml.safe_load(recipe_path("segment", "demo_deeplabv3_mobilevitv2.yaml").read_text())
+    backbone = MobileViTv2(**recipe["model"]["backbone"]["init_args"]).eval()
+    head_args = recipe["model"]["head"]["init_args"]
+    head = DeepLabV3(dict(backbone.feature_channels), 11, **head_args)
+    for side in (recipe["data"]["crop_size"], DEMO_SIZE):
+        with torch.no_grad():
+            features = backbone(torch.zeros(1, 3, side, side))
+        map_side = features[head.in_stride].shape[-1]
+        assert max(head_args["atrous_rates"]) < map_side, (side, map_side, head_args["atrous_rates"])
+
+
 def voc_to_ade20k(voc: Path, root: Path) -> Path:
     """An ADEChallengeData2016-layout copy of a VOC-layout folder (stored labels + 1, ignore -> 0)."""
     for voc_split, ade_split in (("train", "training"), ("val", "validation")):
