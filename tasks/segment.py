@@ -83,12 +83,16 @@ class SegmentationTask(TaskModule):
             ``None`` is a default DeepLabV3.
         ignore_index: label excluded from the loss and the scores.
         aux_weight: weight of the auxiliary head's loss (used when the head has one).
+        class_weights: per-class weights of the cross-entropy (mmsegmentation's ``class_weight``),
+            e.g. to stop a dominant background from drowning the rare classes; ``None``: all 1.
+            The loss stays a weighted mean over the labelled pixels; scores are unaffected.
         num_sample_images: validation images logged to wandb with prediction / truth masks each epoch.
         Remaining arguments: see :class:`tasks.base.TaskModule`.
     """
 
     def __init__(self, backbone: Backbone, class_names: list[str], head: HeadFactory | None = None,
-                 ignore_index: int = IGNORE_INDEX, aux_weight: float = 0.4, num_sample_images: int = 4, **kwargs):
+                 ignore_index: int = IGNORE_INDEX, aux_weight: float = 0.4, class_weights: list[float] | None = None,
+                 num_sample_images: int = 4, **kwargs):
         super().__init__(**kwargs)
         self.backbone = backbone
         self.class_names = list(class_names)
@@ -96,6 +100,12 @@ class SegmentationTask(TaskModule):
         self.head = (head or DeepLabV3)(dict(backbone.feature_channels), num_classes)
         self.ignore_index = ignore_index
         self.aux_weight = aux_weight
+        if class_weights is not None and len(class_weights) != num_classes:
+            raise ValueError(f"class_weights has {len(class_weights)} entries for {num_classes} classes "
+                             f"({', '.join(self.class_names)})")
+        # a buffer, so it follows the module to its device; not persistent: a recipe value, not a weight
+        self.register_buffer("class_weights", None if class_weights is None else
+                             torch.tensor(class_weights, dtype=torch.float32), persistent=False)
         self.num_sample_images = num_sample_images
         self.val_metric = SegmentationMetric(num_classes, ignore_index)
         self.test_metric = SegmentationMetric(num_classes, ignore_index)
@@ -112,11 +122,14 @@ class SegmentationTask(TaskModule):
         out = self.head(self.backbone(self.to_memory_format(images)))
         return {k: F.interpolate(v, size=size, mode="bilinear", align_corners=False) for k, v in out.items()}
 
+    def pixel_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """(B, K, H, W) logits, (B, H, W) labels -> (class-weighted) mean cross-entropy over labelled pixels."""
+        return F.cross_entropy(logits.float(), target, weight=self.class_weights, ignore_index=self.ignore_index)
+
     def _loss(self, logits: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(logits["out"].float(), target, ignore_index=self.ignore_index)
+        loss = self.pixel_loss(logits["out"], target)
         if "aux" in logits:
-            loss = loss + self.aux_weight * F.cross_entropy(logits["aux"].float(), target,
-                                                             ignore_index=self.ignore_index)
+            loss = loss + self.aux_weight * self.pixel_loss(logits["aux"], target)
         return loss
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -131,7 +144,7 @@ class SegmentationTask(TaskModule):
         preds = logits.argmax(1)
         metric.update(preds, target)
         if (target != self.ignore_index).any():  # an all-ignore image has no loss to average
-            loss_metric.update(F.cross_entropy(logits.float(), target, ignore_index=self.ignore_index))
+            loss_metric.update(self.pixel_loss(logits, target))
         return preds
 
     def _log_scores(self, stage: str, metric: SegmentationMetric, loss_metric: MeanMetric) -> dict[str, torch.Tensor]:

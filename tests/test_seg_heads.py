@@ -127,3 +127,22 @@ def test_parameter_counts_match_paper(head_name, width, millions):
     head = make(backbone.feature_channels, 150, channels=512)
     total = sum(p.numel() for p in backbone.parameters()) + sum(p.numel() for p in head.parameters())
     assert round(total / 1e6, 1) == millions
+
+
+def test_class_weighted_loss_is_the_weighted_mean_over_labelled_pixels():
+    from tasks.segment import SegmentationTask
+
+    names = ["background", "a", "b"]
+    task = SegmentationTask(MobileViTv2(width=0.5), names, class_weights=[0.25, 1.0, 2.0])
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 5, 7)
+    target = torch.randint(0, 3, (2, 5, 7))
+    target[0, 0] = 255  # ignored pixels count neither in the sum nor in the weights
+    labelled = target != 255
+    log_probs = logits.log_softmax(1).permute(0, 2, 3, 1)[labelled]  # (P, 3)
+    labels = target[labelled]
+    weights = torch.tensor([0.25, 1.0, 2.0])[labels]
+    expected = -(weights * log_probs.gather(1, labels[:, None])[:, 0]).sum() / weights.sum()
+    assert torch.allclose(task.pixel_loss(logits, target), expected, atol=1e-6)
+    with pytest.raises(ValueError, match="2 entries for 3 classes"):
+        SegmentationTask(MobileViTv2(width=0.5), names, class_weights=[1.0, 1.0])
