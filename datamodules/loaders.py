@@ -9,7 +9,6 @@ resumed run draws exactly what the uninterrupted run drew, whatever the number o
 from __future__ import annotations
 
 import random
-import sys
 from typing import Callable, Iterator
 
 import numpy as np
@@ -104,14 +103,6 @@ class SeededSamples(Dataset):
                 random.setstate(py_state)
 
 
-def single_threaded_worker(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: PyTorch already gives each worker one intra-op thread, but
-    OpenCV (albumentations' backend) keeps a pool as large as the machine, so N workers on an
-    N-core GPU node would run N x N threads."""
-    if "cv2" in sys.modules:
-        sys.modules["cv2"].setNumThreads(1)
-
-
 def make_loader(dataset: Dataset, *, batch_size: int, num_workers: int, train: bool, pin_memory: bool = True,
                 persistent_workers: bool = True, prefetch_factor: int | None = None,
                 collate_fn: Callable | None = None, trainer=None, seed: int = 0) -> DataLoader:
@@ -132,7 +123,6 @@ def make_loader(dataset: Dataset, *, batch_size: int, num_workers: int, train: b
     # a private generator: creating the iterator must not consume the global RNG (exact resume)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, num_workers=num_workers,
                       pin_memory=pin_memory and torch.cuda.is_available(), collate_fn=collate_fn,
-                      worker_init_fn=single_threaded_worker if num_workers > 0 else None,
                       generator=torch.Generator().manual_seed(seed), **extra)
 
 
