@@ -18,7 +18,7 @@ from typing import Sequence
 
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
@@ -167,15 +167,9 @@ class SuiteCLI(LightningCLI):
         # `--trainer.enable_checkpointing false`, `--trainer.enable_progress_bar false` and
         # `--trainer.logger false` switch our default callbacks off instead of letting Lightning
         # refuse the combination
-        unwanted = tuple(
-            kind
-            for kind, switched_off in (
-                (ModelCheckpoint, config.get("enable_checkpointing") is False),
-                (ProgressBar, config.get("enable_progress_bar") is False),
-                (LearningRateMonitor, config.get("logger") is False),
-            )
-            if switched_off
-        )
+        switches = {ModelCheckpoint: "enable_checkpointing", ProgressBar: "enable_progress_bar",
+                    LearningRateMonitor: "logger"}
+        unwanted = tuple(kind for kind, key in switches.items() if config.get(key) is False)
         if unwanted:
             callbacks = [c for c in callbacks if not isinstance(c, unwanted)]
             config["callbacks"] = [c for c in config.get("callbacks") or [] if not isinstance(c, unwanted)]
