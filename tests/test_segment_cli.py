@@ -37,8 +37,9 @@ def fitted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("segment-cli")
     root = write_voc_demo(tmp / "VOC2012", {"train": 8, "val": 3, "test": 4}, size=64)
     run_dir = tmp / "run"
+    # one epoch, validated (the demo recipe validates every third epoch)
     run_cli("fit", "--data.root", str(root), *TINY, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
-            "--trainer.default_root_dir", str(run_dir), cache=tmp / "cache")
+            "--trainer.check_val_every_n_epoch", "1", "--trainer.default_root_dir", str(run_dir), cache=tmp / "cache")
     return root, run_dir, tmp / "cache"
 
 

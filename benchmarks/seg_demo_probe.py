@@ -1,0 +1,188 @@
+"""Where the segmentation demo's time goes: learning *which* digit a stroke is, not *where* strokes are.
+
+A plain training loop (no Lightning, one process, ``--threads`` torch threads) over the demo's
+own datamodule and model classes, printing on the 100 validation scenes every ``--eval-every``
+steps:
+
+- ``miou``: the task's metric (DESIGN.md definition, ``tasks.segment.SegmentationMetric``);
+- ``identity``: share of the digit pixels whose argmax over the 10 *digit* logits is the right
+  digit (chance 0.10), i.e. identity regardless of the foreground/background decision;
+- ``fg_iou``: class-agnostic IoU of "any digit" against the truth (the stroke masks alone).
+
+``crops`` trains a plain classifier (backbone + linear) on the scenes' digits cut out by their
+mask boxes and resized to 64 px: the reference for how fast identity is learnt when the digit is
+centred and fills the input. ``--save`` keeps its backbone so ``dense --init`` can start from it.
+
+    python benchmarks/seg_demo_probe.py dense --steps 1000 --threads 1
+    python benchmarks/seg_demo_probe.py dense --steps 1000 --output-stride 16 --head pspnet
+    python benchmarks/seg_demo_probe.py crops --steps 300 --save /tmp/crops_backbone.pt
+    python benchmarks/seg_demo_probe.py dense --steps 1000 --init /tmp/crops_backbone.pt
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+
+from backbones import MobileViTv2  # noqa: E402
+from datamodules.segmentation import IGNORE_INDEX, SegmentationDataModule  # noqa: E402
+from heads.deeplabv3 import DeepLabV3  # noqa: E402
+from heads.pspnet import PSPNet  # noqa: E402
+from tasks.segment import SegmentationMetric, SegmentationTask  # noqa: E402
+
+
+def demo_data(args) -> SegmentationDataModule:
+    data = SegmentationDataModule(root=None, crop_size=args.crop, scale_range=(0.75, 1.25), hflip=0.0, blur=0.1,
+                                  eval_short_side=None, batch_size=args.batch, num_workers=0)
+    data.setup("fit")
+    return data
+
+
+def backbone(args) -> MobileViTv2:
+    model = MobileViTv2(width=args.width, output_stride=args.output_stride)
+    if args.init:
+        model.load_state_dict(torch.load(args.init))
+    return model
+
+
+@torch.no_grad()
+def evaluate(model: SegmentationTask, data: SegmentationDataModule) -> dict[str, float]:
+    model.eval()
+    metric = SegmentationMetric(data.num_classes)
+    right = digit_pixels = fg_inter = fg_union = 0
+    for i in range(len(data.val_set)):
+        item = data.val_set[i]
+        target = item["mask"][None]
+        logits = model(item["image"][None], size=target.shape[-2:])["out"]
+        preds = logits.argmax(1)
+        metric.update(preds, target)
+        digits = (target > 0) & (target != IGNORE_INDEX)
+        right += int((logits[:, 1:].argmax(1) + 1)[digits].eq(target[digits]).sum())
+        digit_pixels += int(digits.sum())
+        predicted = (preds > 0) & (target != IGNORE_INDEX)
+        fg_inter += int((predicted & digits).sum())
+        fg_union += int((predicted | digits).sum())
+    model.train()
+    return {"miou": float(metric.scores()["miou"]), "identity": right / max(digit_pixels, 1),
+            "fg_iou": fg_inter / max(fg_union, 1)}
+
+
+def dense(args) -> None:
+    data = demo_data(args)
+    rates = [int(r) for r in args.rates.split(",")]
+    if args.head == "deeplabv3":
+        head = lambda channels, k: DeepLabV3(channels, k, channels=args.channels, atrous_rates=rates)  # noqa: E731
+    else:
+        head = lambda channels, k: PSPNet(channels, k, channels=args.channels)  # noqa: E731
+    model = SegmentationTask(backbone(args), data.class_names, head=head,
+                             class_weights=[args.background_weight] + [1.0] * (data.num_classes - 1))
+    optimizer = torch.optim.AdamW(model.parameters(), args.lr, weight_decay=0.01)
+    warmup = 50  # then cosine to 0, as the recipe's WarmupCosineLR
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    loader = torch.utils.data.DataLoader(data.train_set, batch_size=args.batch, shuffle=True, drop_last=True)
+    step, start = 0, time.perf_counter()
+    while step < args.steps:
+        for batch in loader:
+            loss = model._loss(model(batch["image"]), batch["mask"])
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            optimizer.step()
+            schedule.step()
+            step += 1
+            if step % args.eval_every == 0 or step == args.steps:
+                scores = evaluate(model, data)
+                print(f"step {step:5d}  {time.perf_counter() - start:6.0f} s  loss {loss.item():.3f}  "
+                      + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()), flush=True)
+            if step == args.steps:
+                break
+
+
+def digit_crops(data: SegmentationDataModule, split: str, size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every digit of ``split`` larger than 10x10 px, cut out square around its mask box (+4 px), resized:
+    ((N, 3, size, size) normalised like the datamodule, (N,) digit 0..9)."""
+    from PIL import Image
+    from scipy import ndimage
+
+    images, labels = [], []
+    for image_path, mask_path in data._split_samples(split):
+        image, mask = np.asarray(Image.open(image_path).convert("RGB")), np.asarray(Image.open(mask_path))
+        for label in range(1, data.num_classes):
+            regions, _ = ndimage.label(mask == label)
+            for rows, cols in filter(None, ndimage.find_objects(regions)):
+                side = max(rows.stop - rows.start, cols.stop - cols.start)
+                if side < 10:
+                    continue
+                top = max((rows.start + rows.stop - side) // 2 - 4, 0)
+                left = max((cols.start + cols.stop - side) // 2 - 4, 0)
+                crop = Image.fromarray(image[top:top + side + 8, left:left + side + 8]).resize((size, size), Image.BILINEAR)
+                images.append(np.asarray(crop))
+                labels.append(label - 1)
+    pixels = torch.tensor(np.stack(images)).permute(0, 3, 1, 2).float() / 255.0
+    mean, std = (torch.tensor(v)[:, None, None] for v in (data.hparams.mean, data.hparams.std))
+    return (pixels - mean) / std, torch.tensor(labels)
+
+
+def crops(args) -> None:
+    data = demo_data(args)
+    train_x, train_y = digit_crops(data, "train")
+    val_x, val_y = digit_crops(data, "val")
+    print(f"{len(train_y)} training crops, {len(val_y)} validation crops")
+    args.output_stride = 32
+    features = backbone(args)
+    classifier = nn.Linear(features.feature_channels[max(features.feature_channels)], 10)
+    model = nn.ModuleList([features, classifier])
+    optimizer = torch.optim.AdamW(model.parameters(), args.lr, weight_decay=0.01)
+    start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        chosen = torch.randint(0, len(train_y), (32,))
+        loss = F.cross_entropy(classifier(features.forward_pooled(train_x[chosen])), train_y[chosen])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % args.eval_every == 0 or step == args.steps:
+            model.eval()
+            with torch.no_grad():
+                accuracy = (classifier(features.forward_pooled(val_x)).argmax(1) == val_y).float().mean()
+            model.train()
+            print(f"step {step:5d}  {time.perf_counter() - start:6.0f} s  loss {loss.item():.3f}  "
+                  f"val accuracy {accuracy:.3f}", flush=True)
+    if args.save:
+        torch.save(features.state_dict(), args.save)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["dense", "crops"])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--eval-every", type=int, default=250)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--width", type=float, default=0.5, help="MobileViTv2 width")
+    parser.add_argument("--output-stride", type=int, default=8)
+    parser.add_argument("--init", help="backbone state dict to start from (e.g. crops --save)")
+    parser.add_argument("--head", choices=["deeplabv3", "pspnet"], default="deeplabv3")
+    parser.add_argument("--channels", type=int, default=64)
+    parser.add_argument("--rates", default="2,4,6", help="ASPP atrous rates")
+    parser.add_argument("--crop", type=int, default=96)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--background-weight", type=float, default=0.2)
+    parser.add_argument("--save", help="crops: write the trained backbone's state dict here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    (dense if args.mode == "dense" else crops)(args)
+
+
+if __name__ == "__main__":
+    main()
