@@ -1,8 +1,8 @@
 """Where the segmentation demo's time goes: learning *which* digit a stroke is, not *where* strokes are.
 
 A plain training loop (no Lightning, one process, ``--threads`` torch threads) over the demo's
-own datamodule and model classes, printing on the 100 validation scenes every ``--eval-every``
-steps:
+own datamodule and model classes, with the demo recipe's values for everything not given as an
+option, printing on the 100 validation scenes every ``--eval-every`` steps:
 
 - ``miou``: the task's metric (DESIGN.md definition, ``tasks.segment.SegmentationMetric``);
 - ``identity``: share of the digit pixels whose argmax over the 10 *digit* logits is the right
@@ -21,7 +21,6 @@ centred and fills the input. ``--save`` keeps its backbone so ``dense --init`` c
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import yaml
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
@@ -36,14 +36,22 @@ from backbones import MobileViTv2  # noqa: E402
 from datamodules.segmentation import IGNORE_INDEX, SegmentationDataModule  # noqa: E402
 from heads.deeplabv3 import DeepLabV3  # noqa: E402
 from heads.pspnet import PSPNet  # noqa: E402
+from tasks.cli import recipe_path  # noqa: E402
+from tasks.optim import WarmupCosineLR  # noqa: E402
 from tasks.segment import SegmentationMetric, SegmentationTask  # noqa: E402
+
+#: the demo recipe: the probe's defaults and everything it does not vary come from it
+RECIPE = yaml.safe_load(recipe_path("segment", "demo_deeplabv3_mobilevitv2.yaml").read_text())
 
 
 def demo_data(args) -> SegmentationDataModule:
-    data = SegmentationDataModule(root=None, crop_size=args.crop, scale_range=(0.75, 1.25), hflip=0.0, blur=0.1,
-                                  eval_short_side=None, batch_size=args.batch, num_workers=0)
+    data = SegmentationDataModule(**{**RECIPE["data"], "crop_size": args.crop, "batch_size": args.batch, "num_workers": 0})
     data.setup("fit")
     return data
+
+
+def recipe_optimizer(model: nn.Module, lr: float) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), **{**RECIPE["model"]["optimizer"]["init_args"], "lr": lr})
 
 
 def backbone(args) -> MobileViTv2:
@@ -84,10 +92,8 @@ def dense(args) -> None:
         head = lambda channels, k: PSPNet(channels, k, channels=args.channels)  # noqa: E731
     model = SegmentationTask(backbone(args), data.class_names, head=head,
                              class_weights=[args.background_weight] + [1.0] * (data.num_classes - 1))
-    optimizer = torch.optim.AdamW(model.parameters(), args.lr, weight_decay=0.01)
-    warmup = 50  # then cosine to 0, as the recipe's WarmupCosineLR
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    optimizer = recipe_optimizer(model, args.lr)
+    schedule = WarmupCosineLR(optimizer, total_steps=args.steps, **RECIPE["model"]["scheduler"]["init_args"])
     loader = torch.utils.data.DataLoader(data.train_set, batch_size=args.batch, shuffle=True, drop_last=True)
     step, start = 0, time.perf_counter()
     while step < args.steps:
@@ -95,7 +101,7 @@ def dense(args) -> None:
             loss = model._loss(model(batch["image"]), batch["mask"])
             optimizer.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), RECIPE["trainer"]["gradient_clip_val"])
             optimizer.step()
             schedule.step()
             step += 1
@@ -141,7 +147,7 @@ def crops(args) -> None:
     features = backbone(args)
     classifier = nn.Linear(features.feature_channels[max(features.feature_channels)], 10)
     model = nn.ModuleList([features, classifier])
-    optimizer = torch.optim.AdamW(model.parameters(), args.lr, weight_decay=0.01)
+    optimizer = recipe_optimizer(model, args.lr)
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         chosen = torch.randint(0, len(train_y), (32,))
@@ -167,16 +173,17 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--width", type=float, default=0.5, help="MobileViTv2 width")
-    parser.add_argument("--output-stride", type=int, default=8)
+    backbone_args, head_args = RECIPE["model"]["backbone"]["init_args"], RECIPE["model"]["head"]["init_args"]
+    parser.add_argument("--width", type=float, default=backbone_args["width"], help="MobileViTv2 width")
+    parser.add_argument("--output-stride", type=int, default=backbone_args["output_stride"])
     parser.add_argument("--init", help="backbone state dict to start from (e.g. crops --save)")
     parser.add_argument("--head", choices=["deeplabv3", "pspnet"], default="deeplabv3")
-    parser.add_argument("--channels", type=int, default=64)
-    parser.add_argument("--rates", default="2,4,6", help="ASPP atrous rates")
-    parser.add_argument("--crop", type=int, default=96)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--background-weight", type=float, default=0.2)
+    parser.add_argument("--channels", type=int, default=head_args["channels"])
+    parser.add_argument("--rates", default=",".join(map(str, head_args["atrous_rates"])), help="ASPP atrous rates")
+    parser.add_argument("--crop", type=int, default=RECIPE["data"]["crop_size"])
+    parser.add_argument("--batch", type=int, default=RECIPE["data"]["batch_size"])
+    parser.add_argument("--lr", type=float, default=RECIPE["model"]["optimizer"]["init_args"]["lr"])
+    parser.add_argument("--background-weight", type=float, default=RECIPE["model"]["class_weights"][0])
     parser.add_argument("--save", help="crops: write the trained backbone's state dict here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
