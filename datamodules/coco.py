@@ -13,12 +13,26 @@ square model input), so boxes follow the pixels without hand-written geometry.
 With no ``root`` the datamodule writes the handwritten-digit scenes of
 :mod:`datamodules.demo_scenes` once into the demo cache, in this layout, and reads them
 with the same code.
+
+Batches are dicts. Training, validation and test: ``{"image": (B, 3, S, S) float, "targets":
+[B dicts, see CocoDetection], "skipped": int}``; predict: ``{"image": (B, 3, S, S) float, "path":
+[B str], "orig_size": (B, 2) long (height, width), "skipped": int}``. ``skipped`` counts the
+unreadable images left out of the batch under ``on_bad_image="skip"``; a batch whose images were
+all unreadable is ``{"skipped": n}``.
+
+Faults in the data are errors naming the file and the offending id or value: an annotation file
+that is not JSON, a ``bbox`` that is not 4 numbers or is missing, an image id listed twice, an
+image whose pixel size differs from the annotation file's, a validation/test file declaring
+categories the training file does not have. Unreadable image files (truncated, empty, not an
+image) stop with :class:`datamodules.images.BadImageError` unless ``on_bad_image="skip"``.
 """
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+from collections import Counter
+from numbers import Real
 from pathlib import Path
 from typing import Sequence
 
@@ -28,15 +42,13 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import Dataset
 from torchvision import tv_tensors
-from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from datamodules.demo import demo_root
+from datamodules.images import (IMAGE_EXTENSIONS, IMAGENET_MEAN, IMAGENET_STD, OnBadImage, collate_skipping, guarded,
+                                list_images, read_rgb)
 from datamodules.loaders import SplitLoaders, make_loader
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 DEMO_VERSION = 1
 
 
@@ -46,15 +58,45 @@ def build_demo(root: Path) -> None:
     write_coco_layout(root)
 
 
+def read_annotation_json(annotation_file: Path) -> dict:
+    """The parsed annotation file; one that is not JSON (truncated by a copy, an HTML error page
+    saved under the name) raises ``ValueError`` naming the file and where parsing stopped."""
+    try:
+        dataset = json.loads(Path(annotation_file).read_bytes())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"annotation file {annotation_file} is not valid JSON (truncated or not an annotation "
+                         f"file?): {err.msg} (line {err.lineno}, column {err.colno})") from err
+    except UnicodeDecodeError as err:
+        raise ValueError(f"annotation file {annotation_file} is not JSON text: {err}") from err
+    if not isinstance(dataset, dict):
+        raise ValueError(f"annotation file {annotation_file} holds a JSON {type(dataset).__name__}, "
+                         "not a COCO object with 'images', 'annotations' and 'categories'")
+    return dataset
+
+
 def load_coco(annotation_file: Path):
-    """pycocotools ``COCO`` without its progress prints."""
+    """pycocotools ``COCO`` of ``annotation_file``, without its progress prints; parse errors name the file."""
     from pycocotools.coco import COCO
 
     if not annotation_file.is_file():
         raise FileNotFoundError(f"annotation file {annotation_file} not found (COCO layout: "
                                 "root/annotations/instances_<split>.json)")
+    # parsed here rather than by COCO(file), whose bare JSONDecodeError does not say which file
+    coco = COCO()
+    coco.dataset = read_annotation_json(annotation_file)
     with contextlib.redirect_stdout(io.StringIO()):
-        return COCO(str(annotation_file))
+        coco.createIndex()
+    return coco
+
+
+def is_number(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def check_on_bad_image(value: str) -> None:
+    # guarded() treats anything but "skip" as "fail": a typo must not silently mean "fail"
+    if value not in ("fail", "skip"):
+        raise ValueError(f"on_bad_image must be 'fail' or 'skip', not {value!r}")
 
 
 class CocoDetection(Dataset):
@@ -62,25 +104,62 @@ class CocoDetection(Dataset):
 
     Items are ``(image, target)``: ``image`` a (3, S, S) float tensor, normalised; ``target`` a dict
     with ``boxes`` ((G, 4) ``x1, y1, x2, y2`` in input pixels, crowds excluded), ``labels`` ((G,)
-    contiguous), ``image_id``, ``orig_size`` ``(height, width)`` and, for evaluation, the untransformed
-    ground truth in original pixels: ``gt_boxes`` (N, 4) xyxy, ``gt_labels``, ``gt_iscrowd``, ``gt_area``.
+    contiguous), ``image_id``, ``path`` (the image file, str), ``orig_size`` ``(height, width)`` and, for
+    evaluation, the untransformed ground truth in original pixels: ``gt_boxes`` (N, 4) xyxy,
+    ``gt_labels`` (N,), ``gt_iscrowd`` (N,), ``gt_area`` (N,). Under ``on_bad_image="skip"`` an unreadable
+    image file gives ``None`` (dropped and counted by :func:`collate_detection`).
 
     Training boxes reaching outside the image are clipped to it; boxes with no area left are
     dropped and counted (:attr:`num_degenerate`, logged once). The evaluation ground truth keeps
-    every annotation as the file has it, so mAP is COCOeval's on that file. An annotation naming an unknown image or
-    category raises an error naming the annotation, the value and the file.
+    every annotation as the file has it, so mAP is COCOeval's on that file. An annotation naming an
+    unknown image or category, a ``bbox`` missing or not 4 numbers, an image id listed twice, or
+    (with ``category_ids`` given) a declared category outside ``category_ids`` raises an error naming
+    the file and the id or value; ``category_source`` is the file ``category_ids`` came from, named
+    in that last error. An image whose decoded size differs from the file's ``width``/``height``
+    raises when it is read.
     """
 
-    def __init__(self, image_dir: Path, annotation_file: Path, transform, category_ids: Sequence[int] | None = None):
+    def __init__(self, image_dir: Path, annotation_file: Path, transform, category_ids: Sequence[int] | None = None,
+                 on_bad_image: OnBadImage = "fail", category_source: Path | str | None = None):
+        check_on_bad_image(on_bad_image)
         self.image_dir = Path(image_dir)
         self.annotation_file = Path(annotation_file)
         self.transform = transform
+        self.on_bad_image = on_bad_image
         self.coco = load_coco(self.annotation_file)
+        self._check_unique_image_ids()
         file_categories = sorted(self.coco.cats)
+        if category_ids is not None:
+            self._check_declared_categories(category_ids, category_source)
         self.category_ids = list(category_ids) if category_ids is not None else file_categories
         self.label_of = {cat: i for i, cat in enumerate(self.category_ids)}
         self.image_ids = sorted(self.coco.imgs)
         self._index_annotations()
+
+    def _check_unique_image_ids(self) -> None:
+        # pycocotools keys images by id, so a second entry silently replaces the first
+        counts = Counter(info.get("id") for info in self.coco.dataset.get("images", []))
+        repeated = [image_id for image_id, n in counts.items() if n > 1]
+        if repeated:
+            raise ValueError(f"{self.annotation_file}: image id {repeated[0]} is listed more than once in 'images' "
+                             f"(all repeated ids: {repeated[:10]}{' ...' if len(repeated) > 10 else ''})")
+
+    def _check_declared_categories(self, category_ids: Sequence[int], category_source: Path | str | None) -> None:
+        # a category declared here but absent from training would be ignored by the metric without a word
+        extra = sorted(set(self.coco.cats) - set(category_ids))
+        if extra:
+            source = category_source if category_source is not None else "the given category_ids"
+            raise ValueError(f"{self.annotation_file} declares category ids {extra}, which {source} does not have "
+                             f"(its categories: {list(category_ids)}); the model cannot predict them")
+
+    def _check_bbox(self, ann: dict) -> None:
+        if "bbox" not in ann:
+            raise ValueError(f"{self.annotation_file}: annotation {ann.get('id')} has no 'bbox' "
+                             "(segmentation only?); detection needs a box for every annotation")
+        bbox = ann["bbox"]
+        if not (isinstance(bbox, (list, tuple)) and len(bbox) == 4 and all(is_number(v) for v in bbox)):
+            raise ValueError(f"{self.annotation_file}: annotation {ann.get('id')} has bbox {bbox!r}; "
+                             "expected 4 numbers [x, y, width, height]")
 
     def _index_annotations(self) -> None:
         """Check every annotation once and store per image the arrays ``__getitem__`` needs."""
@@ -93,6 +172,7 @@ class CocoDetection(Dataset):
             if ann["category_id"] not in self.label_of:
                 raise ValueError(f"{self.annotation_file}: annotation {ann.get('id')} has category_id "
                                  f"{ann['category_id']}, which is not among the categories {self.category_ids}")
+            self._check_bbox(ann)
             per_image[ann["image_id"]].append(ann)
         self.targets: dict[int, dict[str, np.ndarray]] = {}
         for image_id, anns in per_image.items():
@@ -129,8 +209,16 @@ class CocoDetection(Dataset):
         path = self.image_path(image_id)
         if not path.is_file():
             raise FileNotFoundError(f"image file {path} of image_id {image_id} ({self.annotation_file}) not found")
-        image = tv_tensors.Image(decode_image(str(path), mode=ImageReadMode.RGB))
-        height, width = image.shape[-2:]
+        pixels = guarded(lambda: read_rgb(path), path, self.on_bad_image)
+        if pixels is None:
+            return None
+        height, width = pixels.shape[-2:]
+        info = self.coco.imgs[image_id]
+        # boxes are clipped to, and evaluated in, the file's size: a different real size puts them in the wrong place
+        if (int(height), int(width)) != (int(info["height"]), int(info["width"])):
+            raise ValueError(f"image file {path} (image_id {image_id}) is {width}x{height} (width x height) but "
+                             f"{self.annotation_file} says {info['width']}x{info['height']}")
+        image = tv_tensors.Image(pixels)
         gt = self.targets[image_id]
         train = gt["iscrowd"] == 0
         target = {
@@ -141,6 +229,7 @@ class CocoDetection(Dataset):
         image, target = self.transform(image, target)
         target.update({
             "image_id": image_id,
+            "path": str(path),
             "orig_size": (int(height), int(width)),
             **{key: torch.from_numpy(gt[key]) for key in ("gt_boxes", "gt_labels", "gt_iscrowd", "gt_area")},
         })
@@ -148,27 +237,35 @@ class CocoDetection(Dataset):
 
 
 class ImageFiles(Dataset):
-    """Images of a folder (or one file), for ``predict``: items ``(image, {"path", "orig_size"})``."""
+    """Images of a folder (hidden files left out) or one file, for ``predict``.
 
-    def __init__(self, path: Path, transform):
+    Items are ``(image, {"path": str, "orig_size": (height, width)})`` with ``image`` a (3, S, S)
+    float tensor, or ``None`` for an unreadable file under ``on_bad_image="skip"``."""
+
+    def __init__(self, path: Path, transform, on_bad_image: OnBadImage = "fail"):
+        check_on_bad_image(on_bad_image)
         path = Path(path)
         if path.is_file():
             self.files = [path]
         elif path.is_dir():
-            self.files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
+            self.files = list_images(path)
         else:
             raise FileNotFoundError(f"predict path {path} is neither an image nor a folder")
         if not self.files:
-            raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {path}")
+            raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}; hidden files ignored) in {path}")
         self.transform = transform
+        self.on_bad_image = on_bad_image
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, index: int):
-        image = tv_tensors.Image(decode_image(str(self.files[index]), mode=ImageReadMode.RGB))
-        info = {"path": str(self.files[index]), "orig_size": tuple(int(s) for s in image.shape[-2:])}
-        return self.transform(image), info
+        path = self.files[index]
+        pixels = guarded(lambda: read_rgb(path), path, self.on_bad_image)
+        if pixels is None:
+            return None
+        info = {"path": str(path), "orig_size": tuple(int(s) for s in pixels.shape[-2:])}
+        return self.transform(tv_tensors.Image(pixels)), info
 
 
 class IoUCropWhenBoxes(v2.RandomIoUCrop):
@@ -205,10 +302,29 @@ def eval_transform(image_size: int, mean: Sequence[float], std: Sequence[float])
                        v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
-def collate_detection(batch: list) -> tuple[torch.Tensor, list[dict]]:
-    """Stack images (all the same size after resizing); keep targets as a list (box counts vary)."""
-    images, targets = zip(*batch)
-    return torch.stack(images), list(targets)
+def stack_detection(items: list[tuple[torch.Tensor, dict]]) -> dict:
+    """``(image, target)`` items -> ``{"image": (B, 3, S, S), "targets": [B dicts]}``: images stack
+    (all the same size after resizing), targets stay a list (box counts vary)."""
+    images, targets = zip(*items)
+    return {"image": torch.stack(images), "targets": list(targets)}
+
+
+def collate_detection(batch: list) -> dict:
+    """:class:`CocoDetection` items -> ``{"image", "targets", "skipped"}``; ``None`` items
+    (unreadable images under ``on_bad_image="skip"``) are dropped and counted in ``skipped``."""
+    return collate_skipping(batch, collate=stack_detection)
+
+
+def stack_images(items: list[tuple[torch.Tensor, dict]]) -> dict:
+    """:class:`ImageFiles` items -> ``{"image": (B, 3, S, S), "path": [B str], "orig_size": (B, 2) long}``."""
+    images, infos = zip(*items)
+    return {"image": torch.stack(images), "path": [info["path"] for info in infos],
+            "orig_size": torch.tensor([info["orig_size"] for info in infos], dtype=torch.long).reshape(-1, 2)}
+
+
+def collate_images(batch: list) -> dict:
+    """:class:`ImageFiles` items -> ``{"image", "path", "orig_size", "skipped"}``, ``None`` items dropped and counted."""
+    return collate_skipping(batch, collate=stack_images)
 
 
 class CocoDataModule(SplitLoaders, LightningDataModule):
@@ -220,11 +336,19 @@ class CocoDataModule(SplitLoaders, LightningDataModule):
         train_split, val_split: split names (``instances_<split>.json`` and ``<split>/``).
         test_split: the split ``test`` scores; ``None`` = ``test2017`` when it has an annotation
             file, else ``val_split`` (COCO's own test2017 is unlabelled).
-        predict_path: an image or a folder of images for ``predict``; ``None`` = the test split's images.
+        predict_path: an image or a folder of images (hidden files ignored) for ``predict``; ``None`` =
+            the test split's images. When given, ``predict`` does not read ``root`` at all, so a
+            checkpoint predicts on a folder with nothing else.
         image_size: side of the square model input.
         zoom_out_max: largest zoom-out canvas factor (1 disables zoom-out).
         iou_crop: SSD's IoU-constrained random crop. hflip: flip probability.
         mean, std: normalisation (0/1 for CVNets checkpoints, which expect unnormalised input).
+        on_bad_image: ``"fail"`` stops at an unreadable image file naming it; ``"skip"`` leaves it out of
+            its batch and counts it in ``batch["skipped"]``.
+
+    Batches: ``{"image": (B, 3, S, S), "targets": [B dicts], "skipped": int}`` for fit/validate/test
+    (target keys in :class:`CocoDetection`), ``{"image", "path": [B str], "orig_size": (B, 2) long,
+    "skipped": int}`` for predict.
     """
 
     def __init__(self, root: str | None = None, train_split: str = "train2017", val_split: str = "val2017",
@@ -232,11 +356,13 @@ class CocoDataModule(SplitLoaders, LightningDataModule):
                  zoom_out_max: float = 4.0, iou_crop: bool = True, hflip: float = 0.5,
                  mean: tuple[float, float, float] = IMAGENET_MEAN, std: tuple[float, float, float] = IMAGENET_STD,
                  batch_size: int = 32, eval_batch_size: int | None = None, num_workers: int = 4,
-                 pin_memory: bool = True, persistent_workers: bool = True):
+                 pin_memory: bool = True, persistent_workers: bool = True, on_bad_image: OnBadImage = "fail"):
         super().__init__()
+        check_on_bad_image(on_bad_image)
         self.save_hyperparameters()
         self._root = Path(root).expanduser() if root else None
         self._categories: list[dict] | None = None
+        self._categories_file: Path | None = None
 
     # -- what the model needs to know about the data ---------------------------------------------------
     @property
@@ -259,8 +385,8 @@ class CocoDataModule(SplitLoaders, LightningDataModule):
                 raise FileNotFoundError(
                     f"data.root={self.root} does not look like a COCO dataset: expected "
                     f"{self.annotation_file(self.hparams.train_split)} or {self.annotation_file(self.hparams.val_split)}")
-            with open(source) as f:
-                self._categories = sorted(json.load(f)["categories"], key=lambda c: c["id"])
+            self._categories = sorted(read_annotation_json(source)["categories"], key=lambda c: c["id"])
+            self._categories_file = source
             if not self._categories:
                 raise ValueError(f"{source} lists no categories")
         return self._categories
@@ -289,7 +415,9 @@ class CocoDataModule(SplitLoaders, LightningDataModule):
         h = self.hparams
         transform = (ssd_train_transform(h.image_size, h.mean, h.std, h.zoom_out_max, h.iou_crop, h.hflip) if train
                      else eval_transform(h.image_size, h.mean, h.std))
-        dataset = CocoDetection(self.root / name, self.annotation_file(name), transform, self.category_ids)
+        category_ids = self.category_ids  # reads the categories' file first, so it can be named in errors
+        dataset = CocoDetection(self.root / name, self.annotation_file(name), transform, category_ids,
+                                on_bad_image=h.on_bad_image, category_source=self._categories_file)
         rank_zero_info(f"{name}: {len(dataset)} images, {len(dataset.coco.anns)} annotations")
         return dataset
 
@@ -302,13 +430,15 @@ class CocoDataModule(SplitLoaders, LightningDataModule):
             self.test_set = self.split(self.test_split)
         if stage == "predict":
             h = self.hparams
+            # with predict_path, root is not touched: no demo build, no annotation file read
             path = Path(h.predict_path).expanduser() if h.predict_path else self.root / self.test_split
-            self.predict_set = ImageFiles(path, eval_transform(h.image_size, h.mean, h.std))
+            self.predict_set = ImageFiles(path, eval_transform(h.image_size, h.mean, h.std), h.on_bad_image)
 
     def _loader(self, dataset, train: bool):
         h = self.hparams
+        collate = collate_images if isinstance(dataset, ImageFiles) else collate_detection
         return make_loader(dataset, batch_size=h.batch_size if train else (h.eval_batch_size or h.batch_size),
                            num_workers=h.num_workers, train=train, pin_memory=h.pin_memory,
-                           persistent_workers=h.persistent_workers, collate_fn=collate_detection,
+                           persistent_workers=h.persistent_workers, collate_fn=collate,
                            trainer=self.trainer if train else None)
 

@@ -2,10 +2,17 @@
 
 With no ``root`` the datamodule writes scikit-learn's handwritten digits once into
 the demo cache in exactly that layout and reads them with the same code.
+
+Images are read by :func:`datamodules.images.read_rgb` (one decoder for every vision
+datamodule, 16-bit PNGs scaled, errors naming the file). Batches are dicts:
+
+- train / val / test: ``{"image": (B, 3, S, S) float, "target": (B,) int64 (or (B, K) soft
+  labels under MixUp/CutMix), "index": (B,) int64, "path": list[str] (relative to ``root``,
+  posix), "skipped": int}``;
+- predict: ``{"image", "index", "path": list[str] (the file as given or listed), "skipped"}``.
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Literal, Sequence
 
@@ -13,17 +20,28 @@ import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from PIL import Image
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
 from datamodules.demo import demo_root
+from datamodules.images import (
+    IMAGE_EXTENSIONS,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    OnBadImage,
+    collate_skipping,
+    guarded,
+    is_hidden,
+    list_images,
+    read_rgb,
+)
 from datamodules.loaders import SplitLoaders, make_loader
 
-log = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".JPEG")
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+def class_folders(split_dir: Path) -> list[str]:
+    """Sorted names of the class sub-folders of a split; hidden folders (``.ipynb_checkpoints``,
+    ``.git``) are tool droppings, not classes."""
+    return sorted(d.name for d in split_dir.iterdir() if d.is_dir() and not is_hidden(d))
 
 
 def scan_split(split_dir: Path, classes: Sequence[str] | None = None) -> tuple[list[tuple[Path, int]], list[str]]:
@@ -31,11 +49,12 @@ def scan_split(split_dir: Path, classes: Sequence[str] | None = None) -> tuple[l
 
     ``classes`` (the training classes, sorted) fixes the label of each folder name, so a
     validation split missing a class never shifts the labels of the others. A class
-    folder unknown to training, or with no images, is an error.
+    folder unknown to training, or with no images, is an error. Hidden folders and files
+    are ignored.
     """
     if not split_dir.is_dir():
         raise FileNotFoundError(f"expected a split folder {split_dir} holding one sub-folder per class")
-    found = sorted(d.name for d in split_dir.iterdir() if d.is_dir())
+    found = class_folders(split_dir)
     if not found:
         raise FileNotFoundError(f"{split_dir} has no class sub-folders (ImageFolder layout: {split_dir}/<class>/<image>)")
     classes = list(found if classes is None else classes)
@@ -46,54 +65,95 @@ def scan_split(split_dir: Path, classes: Sequence[str] | None = None) -> tuple[l
                          f"({len(unknown)} in all); the training split defines the {len(classes)} classes")
     samples = []
     for name in found:
-        files = sorted(p for p in (split_dir / name).iterdir() if p.suffix in IMAGE_EXTENSIONS or
-                       p.suffix.lower() in IMAGE_EXTENSIONS)
+        files = list_images(split_dir / name)
         if not files:
             raise ValueError(f"class folder {split_dir / name} holds no images (extensions {IMAGE_EXTENSIONS})")
         samples += [(f, index[name]) for f in files]
     return samples, classes
 
 
+def image_tree(folder: Path) -> list[Path]:
+    """Image files in ``folder`` and its sub-folders, sorted; hidden files and folders left out."""
+    files = list_images(folder)
+    for sub in folder.iterdir():
+        if sub.is_dir() and not is_hidden(sub):
+            files += image_tree(sub)
+    return sorted(files)
+
+
+def predict_images(path: Path, recursive: bool = False) -> list[Path]:
+    """The images to predict on: ``path`` itself if it is a file, else the image files in the folder
+    ``path`` (sorted, hidden files left out), with those of its sub-folders if ``recursive``."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        if path.suffix.lower() not in IMAGE_EXTENSIONS:
+            raise ValueError(f"data.predict_path={path} is not an image file "
+                             f"(extensions {', '.join(IMAGE_EXTENSIONS)})")
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"data.predict_path={path} does not exist (give an image file or a folder of images)")
+    images = image_tree(path) if recursive else list_images(path)
+    if not images:
+        where = "in it or its sub-folders" if recursive else "directly inside it (sub-folders are not searched)"
+        raise FileNotFoundError(f"data.predict_path={path} holds no images {where} "
+                                f"(extensions {', '.join(IMAGE_EXTENSIONS)})")
+    return images
+
+
 class ImageFolderDataset(Dataset):
-    """Items are dicts ``{"image": (3, H, W) float, "target": int, "index": int}``.
+    """Labelled images. Items are dicts ``{"image": (3, S, S) float, "target": int, "index": int,
+    "path": str}`` with ``path`` relative to ``root`` (posix), as the predictions file names it.
 
     ``on_bad_image="skip"`` returns ``None`` for an unreadable file (logged with its path);
-    the collate function drops it and counts it in ``batch["skipped"]``.
+    :func:`collate_skipping` drops it and counts it in ``batch["skipped"]``.
     """
 
-    def __init__(self, samples: list[tuple[Path, int]], transform, on_bad_image: str = "fail"):
+    def __init__(self, samples: list[tuple[Path, int]], transform, on_bad_image: OnBadImage = "fail",
+                 root: Path | None = None):
         self.samples = samples
         self.transform = transform
         self.on_bad_image = on_bad_image
+        self.root = root
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int):
+    def relative_path(self, index: int) -> str:
+        path = self.samples[index][0]
+        return (path.relative_to(self.root) if self.root is not None else path).as_posix()
+
+    def __getitem__(self, index: int) -> dict | None:
         path, target = self.samples[index]
-        try:
-            with Image.open(path) as img:
-                image = img.convert("RGB")
-        except Exception as err:  # PIL raises several types for truncated/corrupt files
-            if self.on_bad_image == "skip":
-                log.warning("skipping unreadable image %s: %s", path, err)
-                return None
-            raise RuntimeError(f"cannot read image {path}: {err} "
-                               "(set data.on_bad_image=skip to skip and count such files)") from err
-        return {"image": self.transform(image), "target": target, "index": index}
+        image = guarded(lambda: read_rgb(path), path, self.on_bad_image)
+        if image is None:
+            return None
+        return {"image": self.transform(image), "target": target, "index": index, "path": self.relative_path(index)}
 
 
-def collate_skipping(batch: list) -> dict:
-    """Collate dict items, dropping ``None`` (skipped images) and counting them."""
-    kept = [item for item in batch if item is not None]
-    out = default_collate(kept) if kept else {}
-    out["skipped"] = len(batch) - len(kept)
-    return out
+class ImageFileDataset(Dataset):
+    """Unlabelled images for ``predict``. Items are dicts ``{"image": (3, S, S) float, "index": int,
+    "path": str}`` with ``path`` the file as given or listed; unreadable files as in
+    :class:`ImageFolderDataset`."""
+
+    def __init__(self, files: list[Path], transform, on_bad_image: OnBadImage = "fail"):
+        self.files = files
+        self.transform = transform
+        self.on_bad_image = on_bad_image
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> dict | None:
+        path = self.files[index]
+        image = guarded(lambda: read_rgb(path), path, self.on_bad_image)
+        if image is None:
+            return None
+        return {"image": self.transform(image), "index": index, "path": str(path)}
 
 
 class MixCollate:
-    """Collate, then apply MixUp or CutMix (one chosen per batch) to images and targets.
-    Targets become soft ``(B, num_classes)`` probabilities."""
+    """Collate (dropping and counting skipped images), then apply MixUp or CutMix (one chosen
+    per batch) to images and targets. Targets become soft ``(B, num_classes)`` probabilities."""
 
     def __init__(self, num_classes: int, mixup_alpha: float, cutmix_alpha: float):
         choices = []
@@ -105,15 +165,18 @@ class MixCollate:
 
     def __call__(self, batch: list) -> dict:
         out = collate_skipping(batch)
-        if "image" in out:
+        if "image" in out:  # an all-skipped batch is only {"skipped": n}
             out["image"], out["target"] = self.mix(out["image"], out["target"])
         return out
 
 
+# The pipelines take the (3, H, W) uint8 tensor read_rgb returns: torchvision v2 treats a plain
+# tensor as the image, so crops and resizes run on tensors exactly as after the former PILToTensor.
 def train_transform(image_size: int, scale: tuple[float, float], hflip: float, rand_augment: bool,
                     rand_augment_magnitude: int, random_erasing: float, mean, std, interpolation: str) -> v2.Compose:
+    """(3, H, W) uint8 -> (3, image_size, image_size) float, normalised."""
     interp = v2.InterpolationMode(interpolation)
-    steps = [v2.PILToTensor(), v2.RandomResizedCrop(image_size, scale=scale, interpolation=interp, antialias=True)]
+    steps = [v2.RandomResizedCrop(image_size, scale=scale, interpolation=interp, antialias=True)]
     if hflip > 0:
         steps.append(v2.RandomHorizontalFlip(hflip))
     if rand_augment:
@@ -127,9 +190,10 @@ def train_transform(image_size: int, scale: tuple[float, float], hflip: float, r
 
 
 def eval_transform(image_size: int, resize_size: int, mean, std, interpolation: str) -> v2.Compose:
-    """Resize the short side to ``resize_size``, then center-crop ``image_size``."""
+    """(3, H, W) uint8 -> (3, image_size, image_size) float: resize the short side to
+    ``resize_size``, center-crop ``image_size``, normalise."""
     interp = v2.InterpolationMode(interpolation)
-    return v2.Compose([v2.PILToTensor(), v2.Resize(resize_size, interpolation=interp, antialias=True),
+    return v2.Compose([v2.Resize(resize_size, interpolation=interp, antialias=True),
                        v2.CenterCrop(image_size), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
@@ -166,7 +230,13 @@ class ImageFolderDataModule(SplitLoaders, LightningDataModule):
         rand_augment: RandAugment (2 ops, ``rand_augment_magnitude``). random_erasing: probability.
         mixup_alpha, cutmix_alpha: batch mixing (0 disables); targets become soft labels.
         mean, std: normalisation (MobileViT/CVNets checkpoints expect 0/1, i.e. none).
-        on_bad_image: ``"fail"`` names the unreadable file and stops; ``"skip"`` skips and counts it.
+        on_bad_image: ``"fail"`` names the unreadable file and stops; ``"skip"`` skips and counts it
+            (``batch["skipped"]``).
+        predict_path: one image file, or a folder of images for ``predict``: a plain folder or a
+            labelled one (``<class>/<image>``), sub-folders included, hidden files and folders left
+            out; ``root`` is then not read. Default: the test split's images.
+
+    Batches: see the module docstring.
     """
 
     def __init__(self, root: str | None = None, train_dir: str = "train", val_dir: str = "val",
@@ -177,8 +247,10 @@ class ImageFolderDataModule(SplitLoaders, LightningDataModule):
                  std: tuple[float, float, float] = IMAGENET_STD, interpolation: str = "bilinear",
                  batch_size: int = 128, eval_batch_size: int | None = None, num_workers: int = 4,
                  pin_memory: bool = True, persistent_workers: bool = True,
-                 on_bad_image: Literal["fail", "skip"] = "fail"):
+                 on_bad_image: Literal["fail", "skip"] = "fail", predict_path: str | None = None):
         super().__init__()
+        if on_bad_image not in ("fail", "skip"):
+            raise ValueError(f"on_bad_image must be 'fail' or 'skip', got {on_bad_image!r}")
         self.save_hyperparameters()
         self._root = Path(root).expanduser() if root else None
         self._classes: list[str] | None = None
@@ -195,10 +267,10 @@ class ImageFolderDataModule(SplitLoaders, LightningDataModule):
 
     @property
     def classes(self) -> list[str]:
-        """Class folder names of the training split, sorted; label i is ``classes[i]``."""
+        """Class folder names of the training split, sorted (hidden folders left out); label i is ``classes[i]``."""
         if self._classes is None:
             train = self.root / self.hparams.train_dir
-            self._classes = sorted(d.name for d in train.iterdir() if d.is_dir())
+            self._classes = class_folders(train)
             if not self._classes:
                 raise FileNotFoundError(f"{train} has no class sub-folders")
         return self._classes
@@ -207,6 +279,11 @@ class ImageFolderDataModule(SplitLoaders, LightningDataModule):
     def num_classes(self) -> int:
         return len(self.classes)
 
+    def _eval_transform(self) -> v2.Compose:
+        h = self.hparams
+        resize = h.eval_resize or int(round(h.image_size / 0.875))
+        return eval_transform(h.image_size, resize, h.mean, h.std, h.interpolation)
+
     def _dataset(self, split_dir: str, train: bool) -> ImageFolderDataset:
         h = self.hparams
         samples, _ = scan_split(self.root / split_dir, self.classes)
@@ -214,24 +291,32 @@ class ImageFolderDataModule(SplitLoaders, LightningDataModule):
             transform = train_transform(h.image_size, tuple(h.scale), h.hflip, h.rand_augment,
                                         h.rand_augment_magnitude, h.random_erasing, h.mean, h.std, h.interpolation)
         else:
-            resize = h.eval_resize or int(round(h.image_size / 0.875))
-            transform = eval_transform(h.image_size, resize, h.mean, h.std, h.interpolation)
-        dataset = ImageFolderDataset(samples, transform, h.on_bad_image)
-        dataset.root = self.root
-        return dataset
+            transform = self._eval_transform()
+        return ImageFolderDataset(samples, transform, h.on_bad_image, root=self.root)
 
     @property
     def test_dir(self) -> str:
         """The labelled test split when the layout has one, else the validation split (DESIGN.md)."""
         return self.hparams.test_dir if (self.root / self.hparams.test_dir).is_dir() else self.hparams.val_dir
 
+    def _predict_dataset(self) -> ImageFileDataset:
+        h = self.hparams
+        if h.predict_path:  # only the given images: root (and the demo build) stay untouched
+            # a plain folder of images, or a labelled one (<class>/<image>): both are searched whole
+            files = predict_images(Path(h.predict_path), recursive=True)
+        else:
+            files = [path for path, _ in scan_split(self.root / self.test_dir, self.classes)[0]]
+        return ImageFileDataset(files, self._eval_transform(), h.on_bad_image)
+
     def setup(self, stage: str) -> None:
         if stage == "fit":
             self.train_set = self._dataset(self.hparams.train_dir, train=True)
         if stage in ("fit", "validate"):
             self.val_set = self._dataset(self.hparams.val_dir, train=False)
-        if stage in ("test", "predict"):
-            self.test_set = self.predict_set = self._dataset(self.test_dir, train=False)
+        if stage == "test":
+            self.test_set = self._dataset(self.test_dir, train=False)
+        if stage == "predict":
+            self.predict_set = self._predict_dataset()
 
     def _loader(self, dataset, train: bool):
         h = self.hparams
@@ -242,4 +327,3 @@ class ImageFolderDataModule(SplitLoaders, LightningDataModule):
         return make_loader(dataset, batch_size=batch_size, num_workers=h.num_workers, train=train,
                            pin_memory=h.pin_memory, persistent_workers=h.persistent_workers, collate_fn=collate,
                            trainer=self.trainer if train else None)
-

@@ -21,6 +21,18 @@ marks object boundaries.
 
 Inside the pipeline every dataset is "labels 0..K-1, 255 ignored". What ``test``
 writes goes back to the dataset's own encoding (:class:`MaskFormat`).
+
+Images are read by :func:`datamodules.images.read_rgb_array` (one decoder for every vision
+datamodule, 16-bit PNGs scaled, errors naming the file). Batches are dicts:
+
+- train: ``{"image": (B, 3, c, c) float, "mask": (B, c, c) int64, "skipped": int}``;
+- val / test (one image per step): ``{"image": (1, 3, h, w) float (resized for the network),
+  "mask": (1, H, W) int64 (original size), "index": (1,) int64, "path": [str], "skipped": int}``;
+- predict: ``{"image": (B, 3, h, w) float, "orig_size": (B, 2) int64 (H, W), "index": (B,) int64,
+  "path": list[str], "skipped": int}``.
+
+``path`` is the image file as listed (under ``root``, or as given by ``predict_path``). A batch
+whose images were all skipped (``on_bad_image="skip"``) is ``{"skipped": n}``.
 """
 from __future__ import annotations
 
@@ -35,12 +47,19 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from datamodules.demo import demo_root
+from datamodules.imagefolder import predict_images
+from datamodules.images import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    BadImageError,
+    OnBadImage,
+    collate_skipping,
+    guarded,
+    list_images,
+    read_rgb_array,
+)
 from datamodules.loaders import SplitLoaders, make_loader
 from datamodules.segmentation_transforms import IGNORE_INDEX, eval_transform, train_transform
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 VOC_CLASSES = (
     "background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
@@ -79,6 +98,12 @@ class MaskFormat:
     reserved: int
     palette: bool
 
+    @classmethod
+    def of(cls, dataset: str, num_classes: int) -> "MaskFormat":
+        """The encoding of ``dataset`` (``"ade20k"`` or ``"voc"``) with ``num_classes`` labels."""
+        offset, reserved, palette = ENCODINGS[dataset]
+        return cls(num_classes, offset, reserved, palette)
+
     def decode(self, stored: np.ndarray, path: Path | str) -> np.ndarray:
         """(H, W) stored values -> (H, W) uint8 labels in 0..K-1 or IGNORE_INDEX; other values are an error."""
         labels = stored.astype(np.int32) - self.offset
@@ -95,8 +120,18 @@ class MaskFormat:
 
     def encode(self, labels: np.ndarray) -> Image.Image:
         """(H, W) int labels in 0..K-1 -> single-channel PNG-ready image in the dataset's encoding."""
-        stored = (np.asarray(labels).astype(np.int64) + self.offset).astype(np.uint8)
-        return palette_png(stored) if self.palette else Image.fromarray(stored)
+        return encode_labels(labels, self.offset, self.palette)
+
+
+#: ``(offset, reserved, palette)`` of each dataset's masks on disk; writing predictions needs
+#: only these, not the number of classes, so ``predict`` never has to read the dataset's folder
+ENCODINGS = {"ade20k": (1, 0, False), "voc": (0, IGNORE_INDEX, True)}
+
+
+def encode_labels(labels: np.ndarray, offset: int, palette: bool) -> Image.Image:
+    """(H, W) int labels -> single-channel image storing ``label + offset`` (a VOC palette PNG if ``palette``)."""
+    stored = (np.asarray(labels).astype(np.int64) + offset).astype(np.uint8)
+    return palette_png(stored) if palette else Image.fromarray(stored)
 
 
 def palette_png(stored: np.ndarray) -> Image.Image:
@@ -107,7 +142,7 @@ def palette_png(stored: np.ndarray) -> Image.Image:
 
 
 def voc_format(num_classes: int = len(VOC_CLASSES)) -> MaskFormat:
-    return MaskFormat(num_classes=num_classes, offset=0, reserved=IGNORE_INDEX, palette=True)
+    return MaskFormat.of("voc", num_classes)
 
 
 # -- listing samples ---------------------------------------------------------------------------------
@@ -121,7 +156,7 @@ def ade20k_samples(root: Path, split: str) -> list[Sample]:
         if not folder.is_dir():
             raise FileNotFoundError(f"ADE20k layout expects {folder} (data.root should be the ADEChallengeData2016 "
                                     f"folder holding images/ and annotations/)")
-    images = sorted(p for p in image_dir.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
+    images = list_images(image_dir)
     if not images:
         raise FileNotFoundError(f"{image_dir} holds no images")
     samples = []
@@ -159,48 +194,48 @@ def voc_samples(root: Path, split: str, mask_dir: str = "SegmentationClass") -> 
     return samples
 
 
-def folder_samples(folder: Path) -> list[Sample]:
-    """Every image of a plain folder (for ``predict``), sorted, without masks."""
-    if not folder.is_dir():
-        raise FileNotFoundError(f"predict folder {folder} does not exist")
-    images = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
-    if not images:
-        raise FileNotFoundError(f"predict folder {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
-    return [(p, None) for p in images]
-
-
 # -- dataset -----------------------------------------------------------------------------------------------
-def read_image(path: Path) -> np.ndarray:
-    with Image.open(path) as img:
-        return np.asarray(img.convert("RGB"))
-
-
 def read_mask(path: Path) -> np.ndarray:
-    """(H, W) stored values of a palette or grayscale PNG (palette indices, not colours)."""
-    with Image.open(path) as img:
-        if img.mode not in ("P", "L", "I", "I;16"):
-            raise ValueError(f"mask {path} is a {img.mode} image; expected a single-channel (palette or grayscale) PNG")
-        return np.asarray(img)
+    """(H, W) stored values of a palette or grayscale PNG (palette indices, not colours).
+
+    A file that cannot be decoded (empty, truncated) raises :class:`BadImageError` naming it, so
+    ``on_bad_image="skip"`` skips its sample like one with an unreadable image; a decodable mask
+    of the wrong kind (RGB) is a ``ValueError``: the dataset is wrong, skipping would hide it."""
+    try:
+        with Image.open(path) as img:
+            mode = img.mode
+            # np.asarray decodes the pixels: truncation surfaces here, not at open
+            stored = np.asarray(img) if mode in ("P", "L", "I", "I;16") else None
+    except Exception as err:  # PIL raises several types for empty, truncated or foreign files
+        raise BadImageError(path, str(err) or type(err).__name__) from err
+    if stored is None:
+        raise ValueError(f"mask {path} is a {mode} image; expected a single-channel (palette or grayscale) PNG")
+    return stored
 
 
 class SegmentationDataset(Dataset):
     """Items for the three uses:
 
     - ``train``: ``{"image": (3, c, c) float, "mask": (c, c) int64}`` (joint augmentation);
-    - ``eval``: ``{"image": (3, h, w) float, "mask": (H, W) int64, "index": int}``, the image
-      resized for the network, the mask at the original size;
-    - ``predict``: ``{"image": (3, h, w) float, "size": (2,) original (H, W), "index": int}``.
+    - ``eval``: ``{"image": (3, h, w) float, "mask": (H, W) int64, "index": int, "path": str}``,
+      the image resized for the network, the mask at the original size;
+    - ``predict``: ``{"image": (3, h, w) float, "orig_size": (2,) int64 original (H, W), "index": int,
+      "path": str}``.
 
-    Masks are checked on every read (values, size against the image).
+    Masks are checked on every read (values, size against the image). ``mask_format`` may be
+    ``None`` when no sample has a mask (predict). ``on_bad_image="skip"`` returns ``None`` for a
+    sample whose image or mask cannot be decoded; :func:`collate_skipping` counts it.
     """
 
-    def __init__(self, samples: list[Sample], mask_format: MaskFormat, transform, mode: str):
+    def __init__(self, samples: list[Sample], mask_format: MaskFormat | None, transform, mode: str,
+                 on_bad_image: OnBadImage = "fail"):
         if mode not in ("train", "eval", "predict"):
             raise ValueError(f"unknown mode {mode!r}")
         self.samples = samples
         self.mask_format = mask_format
         self.transform = transform
         self.mode = mode
+        self.on_bad_image = on_bad_image
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -211,7 +246,7 @@ class SegmentationDataset(Dataset):
     def load(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(H, W, 3) uint8 image and (H, W) uint8 labels (or ``None`` without a mask)."""
         image_path, mask_path = self.samples[index]
-        image = read_image(image_path)
+        image = read_rgb_array(image_path)
         if mask_path is None:
             return image, None
         stored = read_mask(mask_path)
@@ -220,19 +255,22 @@ class SegmentationDataset(Dataset):
                              f"{stored.shape[1]}x{stored.shape[0]} (width x height)")
         return image, self.mask_format.decode(stored, mask_path)
 
-    def __getitem__(self, index: int) -> dict:
-        image, labels = self.load(index)
+    def __getitem__(self, index: int) -> dict | None:
+        loaded = guarded(lambda: self.load(index), self.samples[index][0], self.on_bad_image)
+        if loaded is None:
+            return None
+        image, labels = loaded
         if self.mode == "train":
             # albumentations draws from its own generators (OS-seeded unless told otherwise); seed them
             # from torch's RNG, which the loader seeds per worker / per sample, so runs are reproducible
             self.transform.set_random_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
             out = self.transform(image=image, mask=labels)
             return {"image": out["image"], "mask": out["mask"].long()}
-        item = {"image": self.transform(image=image)["image"], "index": index}
+        item = {"image": self.transform(image=image)["image"], "index": index, "path": str(self.samples[index][0])}
         if self.mode == "eval":
             item["mask"] = torch.from_numpy(labels).long()
         else:
-            item["size"] = torch.tensor(image.shape[:2])
+            item["orig_size"] = torch.tensor(image.shape[:2], dtype=torch.long)
         return item
 
 
@@ -318,7 +356,12 @@ class SegmentationDataModule(SplitLoaders, LightningDataModule):
         mean, std: normalisation (MobileViT/CVNets checkpoints expect 0/1, i.e. none).
         batch_size: training batch per device. Evaluation runs one image per step, so every image
             is predicted exactly as it would be alone (metrics do not depend on batching or DDP).
-        predict_dir: folder of images for ``predict`` (default: the test split's images).
+        on_bad_image: ``"fail"`` names an unreadable image (or mask) file and stops; ``"skip"`` skips
+            the sample and counts it (``batch["skipped"]``).
+        predict_path: one image file or a folder of images for ``predict``; ``root`` is then not
+            read. Default: the test split's images.
+
+    Batches: see the module docstring.
     """
 
     def __init__(self, root: str | None = None, dataset: Literal["ade20k", "voc"] = "voc", aug_masks: bool = False,
@@ -326,7 +369,8 @@ class SegmentationDataModule(SplitLoaders, LightningDataModule):
                  photometric: float = 0.5, blur: float = 0.2, rotate_degrees: float = 10.0, rotate_p: float = 0.5,
                  eval_short_side: int | None = 512, mean: tuple[float, float, float] = IMAGENET_MEAN,
                  std: tuple[float, float, float] = IMAGENET_STD, batch_size: int = 16, num_workers: int = 4,
-                 pin_memory: bool = True, persistent_workers: bool = True, predict_dir: str | None = None):
+                 pin_memory: bool = True, persistent_workers: bool = True,
+                 on_bad_image: Literal["fail", "skip"] = "fail", predict_path: str | None = None):
         super().__init__()
         if dataset not in ("ade20k", "voc"):
             raise ValueError(f"dataset must be 'ade20k' or 'voc', got {dataset!r}")
@@ -334,6 +378,8 @@ class SegmentationDataModule(SplitLoaders, LightningDataModule):
             raise ValueError("aug_masks (SBD-augmented masks) exists only for dataset='voc'")
         if root is None and dataset != "voc":
             raise ValueError("the embedded demo is in the VOC layout: use dataset='voc' or give data.root")
+        if on_bad_image not in ("fail", "skip"):
+            raise ValueError(f"on_bad_image must be 'fail' or 'skip', got {on_bad_image!r}")
         self.save_hyperparameters()
         self._root = Path(root).expanduser() if root else None
         self._class_names: list[str] | None = None
@@ -372,18 +418,22 @@ class SegmentationDataModule(SplitLoaders, LightningDataModule):
 
     @property
     def mask_format(self) -> MaskFormat:
-        if self.hparams.dataset == "ade20k":
-            return MaskFormat(self.num_classes, offset=1, reserved=0, palette=False)
-        return voc_format(self.num_classes)
+        """Decoding masks checks values against the number of classes, so this reads ``root``."""
+        return MaskFormat.of(self.hparams.dataset, self.num_classes)
 
     @property
     def palette(self) -> np.ndarray:
-        """(num_classes, 3) uint8 colours for overlays."""
-        return voc_palette()[np.arange(self.num_classes) + (1 if self.hparams.dataset == "ade20k" else 0)]
+        """(256 - offset, 3) uint8 overlay colours: row i is label i's colour (VOC's colour map at
+        the label's stored value). Rows past the number of classes are never indexed; the table
+        does not depend on it, so ``predict`` needs no dataset folder to draw overlays."""
+        offset, _, _ = ENCODINGS[self.hparams.dataset]
+        return voc_palette()[offset:]
 
     def encode_prediction(self, labels: np.ndarray) -> Image.Image:
-        """(H, W) predicted labels -> the PNG image `test` writes, in the dataset's own encoding."""
-        return self.mask_format.encode(labels)
+        """(H, W) predicted labels -> the PNG image ``test``/``predict`` write, in the dataset's own
+        encoding. Needs only ``dataset`` (not ``root``)."""
+        offset, _, palette = ENCODINGS[self.hparams.dataset]
+        return encode_labels(labels, offset, palette)
 
     # -- splits --------------------------------------------------------------------------------------------
     def _split_samples(self, stage: str) -> list[Sample]:
@@ -410,13 +460,19 @@ class SegmentationDataModule(SplitLoaders, LightningDataModule):
         if stage == "train":
             transform = train_transform(h.crop_size, h.scale_range, h.hflip, h.photometric, h.blur, h.rotate_degrees,
                                         h.rotate_p, h.mean, h.std, IGNORE_INDEX)
-            return SegmentationDataset(self._split_samples("train"), self.mask_format, transform, "train")
+            return SegmentationDataset(self._split_samples("train"), self.mask_format, transform, "train",
+                                       h.on_bad_image)
         transform = eval_transform(h.eval_short_side, h.mean, h.std)
         if stage == "predict":
-            samples = folder_samples(Path(h.predict_dir).expanduser()) if h.predict_dir else \
-                [(image, None) for image, _ in self._split_samples("test")]
-            return SegmentationDataset(samples, self.mask_format, transform, "predict")
-        return SegmentationDataset(self._split_samples(stage), self.mask_format, transform, "eval")
+            if h.predict_path:  # only the given images: root (and the demo build) stay untouched
+                # not recursive: outputs are named by the image's stem, which must be unique
+                images = predict_images(Path(h.predict_path))
+            else:
+                images = [image for image, _ in self._split_samples("test")]
+            # no masks are read, so no mask format (which would need the class count, i.e. root)
+            return SegmentationDataset([(image, None) for image in images], None, transform, "predict",
+                                       h.on_bad_image)
+        return SegmentationDataset(self._split_samples(stage), self.mask_format, transform, "eval", h.on_bad_image)
 
     def setup(self, stage: str) -> None:
         if stage == "fit":
@@ -432,12 +488,11 @@ class SegmentationDataModule(SplitLoaders, LightningDataModule):
         h = self.hparams
         return make_loader(dataset, batch_size=h.batch_size if train else 1, num_workers=h.num_workers, train=train,
                            pin_memory=h.pin_memory, persistent_workers=h.persistent_workers,
-                           trainer=self.trainer if train else None)
-
+                           collate_fn=collate_skipping, trainer=self.trainer if train else None)
 
 
 __all__ = [
-    "IGNORE_INDEX", "MaskFormat", "SegmentationDataModule", "SegmentationDataset", "VOC_CLASSES",
-    "ade20k_samples", "voc_palette", "voc_samples", "write_voc_demo",
+    "ENCODINGS", "IGNORE_INDEX", "MaskFormat", "SegmentationDataModule", "SegmentationDataset", "VOC_CLASSES",
+    "ade20k_samples", "encode_labels", "read_mask", "voc_palette", "voc_samples", "write_voc_demo",
 ]
 

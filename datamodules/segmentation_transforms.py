@@ -22,6 +22,8 @@ import cv2
 import numpy as np
 from albumentations.pytorch import ToTensorV2
 
+from datamodules.images import IMAGENET_MEAN, IMAGENET_STD
+
 #: label of pixels that are not scored (VOC's object outlines, ADE20k's "other", padding)
 IGNORE_INDEX = 255
 
@@ -36,8 +38,8 @@ def short_side_choices(crop_size: int, scale_range: Sequence[float], steps: int 
 
 def train_transform(crop_size: int = 512, scale_range: Sequence[float] = (0.5, 2.0), hflip: float = 0.5,
                     photometric: float = 0.5, blur: float = 0.2, rotate_degrees: float = 10.0,
-                    rotate_p: float = 0.5, mean: Sequence[float] = (0.485, 0.456, 0.406),
-                    std: Sequence[float] = (0.229, 0.224, 0.225), ignore_index: int = IGNORE_INDEX) -> A.Compose:
+                    rotate_p: float = 0.5, mean: Sequence[float] = IMAGENET_MEAN,
+                    std: Sequence[float] = IMAGENET_STD, ignore_index: int = IGNORE_INDEX) -> A.Compose:
     """``(image (H, W, 3) uint8, mask (H, W) uint8)`` -> ``image (3, crop, crop) float``, ``mask (crop, crop) uint8``."""
     steps: list[A.BasicTransform] = [
         A.SmallestMaxSize(max_size=short_side_choices(crop_size, scale_range), interpolation=cv2.INTER_LINEAR,
@@ -60,8 +62,8 @@ def train_transform(crop_size: int = 512, scale_range: Sequence[float] = (0.5, 2
     return A.Compose(steps)
 
 
-def eval_transform(short_side: int | None, mean: Sequence[float] = (0.485, 0.456, 0.406),
-                   std: Sequence[float] = (0.229, 0.224, 0.225)) -> A.Compose:
+def eval_transform(short_side: int | None, mean: Sequence[float] = IMAGENET_MEAN,
+                   std: Sequence[float] = IMAGENET_STD) -> A.Compose:
     """Image only: ``(H, W, 3) uint8`` -> ``(3, h, w) float`` with ``min(h, w) == short_side`` (``None``: as is)."""
     steps: list[A.BasicTransform] = []
     if short_side:

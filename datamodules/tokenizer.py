@@ -1,17 +1,29 @@
 """A joint source/target sentencepiece model, trained once on the training split.
 
-The model file is cached beside the data (``root/spm.<type><size>.<src>-<tgt>.model``)
+The model file is cached beside the data (``root/spm.<src>-<tgt>.<type><size>.model``)
 or, when ``root`` is read-only, in the suite's data cache under a name derived from
-the training files' path, size and modification time. Training runs under a file
-lock and lands atomically, so DDP ranks started together train it once.
+the training files' content. Beside every model lies a record ``<model>.json`` of what
+it was trained from: a fingerprint of the training files' content and the training
+settings. A model whose record is missing or no longer matches (the training files were
+replaced, or ``character_coverage`` changed) is retrained, with a log line saying why,
+instead of being reused: a stale vocabulary turns every unseen word into ``⁇``.
+Training runs under a file lock and lands atomically, so DDP ranks started together
+train it once.
 
 Special ids are fixed for every model the suite trains: pad 0, unk 1, bos 2, eos 3.
+
+A :class:`Tokenizer` can also be rebuilt from its serialized model
+(:meth:`Tokenizer.serialized` / :meth:`Tokenizer.from_serialized`), which is how a
+checkpoint carries the vocabulary it was trained with; :attr:`Tokenizer.fingerprint`
+names that vocabulary.
 """
 from __future__ import annotations
 
 import fcntl
 import hashlib
 import io
+import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -21,19 +33,57 @@ import sentencepiece as spm
 
 from datamodules.demo import cache_home
 
+log = logging.getLogger(__name__)
+
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+#: sentences sentencepiece samples from the training files (part of a model's training record)
+INPUT_SENTENCE_SIZE = 2_000_000
 
 
 class Tokenizer:
-    """Thin wrapper over a ``SentencePieceProcessor``: text <-> ids, no special tokens added."""
+    """Thin wrapper over a ``SentencePieceProcessor``: text <-> ids, no special tokens added.
+
+    ``Tokenizer(model_file)`` reads a ``.model`` file; ``Tokenizer.from_serialized(data)``
+    builds one from the model's bytes (``model_file`` is then ``None``).
+    """
 
     pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
 
     def __init__(self, model_file: str | os.PathLike):
-        self.model_file = Path(model_file)
-        self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
-        if (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id()) != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
-            raise ValueError(f"{model_file}: special ids must be pad={PAD_ID} unk={UNK_ID} bos={BOS_ID} eos={EOS_ID}")
+        self.model_file: Path | None = Path(model_file)
+        self._load(spm.SentencePieceProcessor(model_file=str(model_file)), str(model_file))
+
+    @classmethod
+    def from_serialized(cls, data: bytes) -> Tokenizer:
+        """The tokenizer whose :meth:`serialized` model proto is ``data``."""
+        tokenizer = cls.__new__(cls)
+        tokenizer.model_file = None
+        try:
+            sp = spm.SentencePieceProcessor(model_proto=bytes(data))
+        except RuntimeError as err:  # sentencepiece reports a bad proto as an internal error
+            raise ValueError(f"not a serialized sentencepiece model ({len(data)} bytes): {err}") from None
+        tokenizer._load(sp, "serialized sentencepiece model")
+        return tokenizer
+
+    def _load(self, sp: spm.SentencePieceProcessor, origin: str) -> None:
+        if (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+            raise ValueError(f"{origin}: special ids must be pad={PAD_ID} unk={UNK_ID} bos={BOS_ID} eos={EOS_ID}, "
+                             f"got pad={sp.pad_id()} unk={sp.unk_id()} bos={sp.bos_id()} eos={sp.eos_id()}")
+        self.sp = sp
+        self._fingerprint: str | None = None
+
+    def serialized(self) -> bytes:
+        """The sentencepiece model proto: everything :meth:`from_serialized` needs."""
+        return self.sp.serialized_model_proto()
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the vocabulary: the first 16 hex digits of the sha256 of :meth:`serialized`.
+        Equal for a model file and the tokenizer rebuilt from its bytes."""
+        if self._fingerprint is None:
+            self._fingerprint = hashlib.sha256(self.serialized()).hexdigest()[:16]
+        return self._fingerprint
 
     @property
     def vocab_size(self) -> int:
@@ -52,11 +102,72 @@ class Tokenizer:
             out.append(self.sp.decode([i for i in seq if i not in (PAD_ID, BOS_ID)]))
         return out
 
-    def __getstate__(self):  # picklable for DataLoader workers
-        return {"model_file": self.model_file}
+    # picklable for DataLoader workers. The model's bytes travel, not the file name: a model
+    # file retrained meanwhile must not change the vocabulary of a tokenizer already in use.
+    def __getstate__(self):
+        return {"model_file": self.model_file, "model_proto": self.serialized()}
 
     def __setstate__(self, state):
-        self.__init__(state["model_file"])
+        self.__dict__.update(Tokenizer.from_serialized(state["model_proto"]).__dict__)
+        self.model_file = state["model_file"]
+
+
+# ---------------------------------------------------------------------------------------------
+# training and caching
+# ---------------------------------------------------------------------------------------------
+def data_fingerprint(files: Sequence[Path], chunk_size: int = 1 << 20) -> str:
+    """sha256 (hex) of the training files' content: each file's size, then its bytes, in order.
+
+    The whole content is hashed, in ``chunk_size`` pieces so a 1 GB WMT file never sits in
+    memory. This is exact where the cheaper size + mtime + first/last MiB key is not: a
+    cleaned or re-filtered corpus can keep its head and tail, ``cp -p``/``rsync -t`` keep
+    mtimes while a plain copy or ``touch`` changes them without changing the text. The
+    cost is one sequential read (about 1 s per GB), small next to what the datamodule does
+    with the same files anyway (reading and tokenizing every line). File names are left
+    out, so the same corpus under another path has the same fingerprint.
+    """
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as stream:
+            h.update(f"{os.fstat(stream.fileno()).st_size}\n".encode())
+            while chunk := stream.read(chunk_size):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def record_file(model_file: Path) -> Path:
+    """Where the training record of ``model_file`` lives: ``<model>.json``."""
+    return model_file.with_name(model_file.name + ".json")
+
+
+def _stale_reason(model_file: Path, record: dict) -> str | None:
+    """Why ``model_file`` cannot be reused for ``record`` (None: it can)."""
+    if not model_file.is_file():
+        return "it does not exist"
+    path = record_file(model_file)
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"{path.name} (the record of the data it was trained from) is missing"
+    except (OSError, ValueError) as err:
+        return f"{path.name} is unreadable ({err})"
+    if saved.get("data_sha256") != record["data_sha256"]:
+        return f"the training files changed since it was trained ({', '.join(record['files'])})"
+    changed = [f"{k}={saved.get(k)!r} -> {v!r}" for k, v in record.items() if k != "files" and saved.get(k) != v]
+    if changed:
+        return f"the training settings changed ({', '.join(changed)})"
+    return None
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def train_sentencepiece(
@@ -65,7 +176,7 @@ def train_sentencepiece(
     vocab_size: int,
     model_type: str = "unigram",
     character_coverage: float = 1.0,
-    input_sentence_size: int = 2_000_000,
+    input_sentence_size: int = INPUT_SENTENCE_SIZE,
 ) -> Path:
     """Train a joint model on the lines of ``files`` and write it to ``model_file`` atomically.
 
@@ -88,10 +199,7 @@ def train_sentencepiece(
         minloglevel=2,
     )
     model_file.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=model_file.parent, prefix=f".{model_file.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(buffer.getvalue())
-    os.replace(tmp, model_file)
+    _write_atomically(model_file, buffer.getvalue())
     return model_file
 
 
@@ -102,25 +210,38 @@ def joint_tokenizer(
     character_coverage: float = 1.0,
     name: str = "spm",
 ) -> Tokenizer:
-    """Load the joint model for ``train_files``, training it on first use."""
+    """The joint model for the current content of ``train_files``, trained when there is none
+    or the cached one was trained from other data or with other settings.
+
+    Raises ``ValueError`` when a training file is empty (nothing to train on).
+    """
     train_files = [Path(f) for f in train_files]
+    for f in train_files:
+        if f.stat().st_size == 0:
+            raise ValueError(f"{f} is empty: it has no sentences to train the sentencepiece model on")
+    data_sha256 = data_fingerprint(train_files)
+    record = {"data_sha256": data_sha256, "files": [f.name for f in train_files], "vocab_size": vocab_size,
+              "model_type": model_type, "character_coverage": character_coverage,
+              "input_sentence_size": INPUT_SENTENCE_SIZE}
     stem = f"{name}.{model_type}{vocab_size}"
     beside = train_files[0].parent / f"{stem}.model"
-    if beside.is_file():
+    if _stale_reason(beside, record) is None:
         return Tokenizer(beside)
     if os.access(beside.parent, os.W_OK):
         target = beside
     else:
-        # read-only dataset: key the cached model on what it was trained from
-        h = hashlib.sha1()
-        for f in train_files:
-            st = f.stat()
-            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-        target = cache_home() / "tokenizers" / f"{stem}.{h.hexdigest()[:16]}.model"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # other ranks wait while one trains
-            if not target.is_file():
-                train_sentencepiece(train_files, target, vocab_size, model_type, character_coverage)
+        # read-only dataset: the cached model is named after the data it is trained from
+        target = cache_home() / "tokenizers" / f"{stem}.{data_sha256[:16]}.model"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # other ranks wait while one trains, then find it fresh
+        reason = _stale_reason(target, record)
+        if reason is not None:
+            if target.is_file():
+                log.warning("retraining the sentencepiece model %s: %s", target, reason)
+            else:
+                log.info("training the sentencepiece model %s on %s", target, ", ".join(map(str, train_files)))
+            train_sentencepiece(train_files, target, vocab_size, model_type, character_coverage)
+            # the record is written after the model: a reader that sees a matching record finds the new model
+            _write_atomically(record_file(target), (json.dumps(record, indent=1) + "\n").encode())
     return Tokenizer(target)

@@ -1,9 +1,11 @@
 """Parallel plain-text translation data (WMT layout) with token-based batching.
 
-``root/{train,valid,test}.{src,tgt}``: one sentence per line, UTF-8, line i of the
-source file translates line i of the target file (``train.en`` / ``train.de``).
-With no ``root`` the demo corpus of :mod:`datamodules.demo_text` is built once and
-read the same way.
+``root/<split>.<src_lang>`` and ``root/<split>.<tgt_lang>`` for the splits train, valid
+and test (``train.en`` / ``train.de``, ...): one sentence per line, UTF-8, line i of the
+source file translates line i of the target file. Missing files, files of different
+lengths, empty files and non-UTF-8 lines are refused with errors naming the files (and
+the line). With no ``root`` the demo corpus of :mod:`datamodules.demo_text` is built once
+and read the same way.
 
 Batches hold as many sentences as fit into ``max_tokens`` padded tokens per side
 (``batch size x longest sentence <= max_tokens``, fairseq's convention), built from
@@ -22,11 +24,13 @@ A batch is a dict:
     ``src`` (B, S) source ids ending in eos, pad-filled;
     ``tgt_in`` (B, T) bos + target ids (decoder input); ``tgt_out`` (B, T) target ids + eos;
     ``index`` (B,) line numbers in the split; ``src_text``/``tgt_text`` the raw lines.
+Predict batches are raw text, ``{"index": (B,) line numbers, "src_text": B lines}``, read
+from ``predict_path`` alone: the model tokenizes them with the tokenizer in its checkpoint.
 """
 from __future__ import annotations
 
 import logging
-import math
+import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -48,12 +52,16 @@ log = logging.getLogger(__name__)
 def read_lines(path: Path) -> list[str]:
     """Lines of a UTF-8 file (``\\n`` separated, trailing ``\\r`` removed); a byte sequence that
     is not UTF-8 raises ``ValueError`` naming the file and the 1-based line."""
-    data = Path(path).read_bytes()
+    return decode_lines(Path(path).read_bytes(), str(path))
+
+
+def decode_lines(data: bytes, name: str) -> list[str]:
+    """:func:`read_lines` for bytes already read (``name`` is what errors call them)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
-        raise ValueError(f"{path}: line {line} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
+        raise ValueError(f"{name}: line {line} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
@@ -86,6 +94,9 @@ class ParallelText(Dataset):
                 log.warning("%s: dropped %d of %d pairs (%d empty, %d longer than %d tokens)", name, len(dropped),
                             len(keep), len(empty), len(long), limit)
             keep = [i for i in keep if i not in dropped]
+            if not keep:  # otherwise Lightning's generic "length of DataLoader is zero"
+                raise ValueError(f"{name}: none of the {len(src_text)} pairs can be trained on ({len(empty)} empty, "
+                                 f"{len(long)} longer than {limit} tokens)")
         else:
             # every evaluation line is scored; over-long sources are cut, not dropped
             cut = sum(len(src_ids[i]) > limit for i in keep)
@@ -127,6 +138,13 @@ def collate(items) -> dict:
         tgt_out[i, len(t)] = EOS_ID
     return {"src": src_ids, "tgt_in": tgt_in, "tgt_out": tgt_out, "index": torch.tensor(index),
             "src_text": list(src_text), "tgt_text": list(tgt_text)}
+
+
+def collate_text(items: Sequence[tuple[int, str]]) -> dict:
+    """Predict batches stay raw text: ``index`` (B,) long line numbers, ``src_text`` the B lines.
+    The model tokenizes them with the tokenizer stored in its checkpoint."""
+    index, text = zip(*items)
+    return {"index": torch.tensor(index, dtype=torch.long), "src_text": list(text)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +244,8 @@ class TranslationDataModule(LightningDataModule):
     """WMT-style parallel text with a joint sentencepiece vocabulary.
 
     Args:
-        root: folder with ``{train,valid,test}.{src_lang,tgt_lang}``; ``None`` builds the
+        root: folder with ``<split>.<src_lang>`` / ``<split>.<tgt_lang>`` for the train,
+            valid and test splits (``train.en``, ``train.de``, ...); ``None`` builds the
             demo corpus (pycountry/babel translations) for the language pair.
         src_lang, tgt_lang: file suffixes of the two sides.
         vocab_size: size of the joint sentencepiece model (an upper bound for tiny corpora).
@@ -239,7 +258,11 @@ class TranslationDataModule(LightningDataModule):
         max_positions: the longest sequence the model accepts (bos/eos included);
             longer training pairs are dropped (counted in the log), longer evaluation
             sources truncated.
-        predict_file: text file (or ``-`` for standard input) that ``predict`` translates.
+        predict_path: text file (or ``-`` for standard input) that ``predict`` translates.
+            Giving it makes this a predict-only datamodule: predict batches are raw text
+            (the model tokenizes with the tokenizer in its checkpoint), and nothing reads
+            ``root`` or loads/trains a tokenizer, so predict needs no dataset;
+            ``vocab_size`` and ``vocabulary_fingerprint`` are then ``None``.
         predict_batch_size: sentences per ``predict`` batch (kept in file order).
     """
 
@@ -259,11 +282,13 @@ class TranslationDataModule(LightningDataModule):
         train_split: str = "train",
         valid_split: str = "valid",
         test_split: str = "test",
-        predict_file: str | None = None,
+        predict_path: str | None = None,
         predict_batch_size: int = 32,
     ):
         super().__init__()
         self.save_hyperparameters()
+        if predict_batch_size < 1:
+            raise ValueError(f"predict_batch_size must be positive, got {predict_batch_size}")
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
         self.max_tokens = max_tokens
         self.eval_max_tokens = eval_max_tokens or max_tokens
@@ -271,10 +296,11 @@ class TranslationDataModule(LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.splits = {"fit": train_split, "validate": valid_split, "test": test_split}
-        self.predict_file = predict_file
+        self.predict_path = predict_path
         self.predict_batch_size = predict_batch_size
         self._root = Path(root) if root is not None else None
         self._tokenizer: Tokenizer | None = None
+        self._predict_lines: list[str] | None = None  # standard input can be read only once
         self.datasets: dict[str, ParallelText] = {}
 
     # -- what the model needs to know, answered right after construction -----------------------
@@ -287,31 +313,52 @@ class TranslationDataModule(LightningDataModule):
     def files(self, split: str) -> tuple[Path, Path]:
         return self.root / f"{split}.{self.src_lang}", self.root / f"{split}.{self.tgt_lang}"
 
+    def _existing_files(self, split: str) -> tuple[Path, Path]:
+        """``files(split)``, or ``FileNotFoundError`` naming both expected files and the naming rule."""
+        src, tgt = self.files(split)
+        missing = [f.name for f in (src, tgt) if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{' and '.join(missing)} not found in {self.root}: the {split} split needs {src} and {tgt} "
+                f"(files named <split>.<src_lang>/<split>.<tgt_lang>, here <split>.{self.src_lang}/"
+                f"<split>.{self.tgt_lang})")
+        return src, tgt
+
     @property
     def tokenizer(self) -> Tokenizer:
+        """The joint sentencepiece model of the training split (trained on first use)."""
+        if self.predict_path is not None:
+            raise RuntimeError("a predict-only datamodule (predict_path given) has no tokenizer: "
+                               "predict tokenizes with the tokenizer stored in the checkpoint")
         if self._tokenizer is None:
-            files = self.files(self.splits["fit"])
-            for f in files:
-                if not f.is_file():
-                    raise FileNotFoundError(f"{f} not found: root must hold {{train,valid,test}}."
-                                            f"{{{self.src_lang},{self.tgt_lang}}}")
+            files = self._existing_files(self.splits["fit"])
             hp = self.hparams
             self._tokenizer = joint_tokenizer(files, hp.vocab_size, hp.spm_model_type, hp.character_coverage,
                                               name=f"spm.{self.src_lang}-{self.tgt_lang}")
         return self._tokenizer
 
     @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
+    def vocab_size(self) -> int | None:
+        """Pieces in the data's vocabulary (``None`` for a predict-only datamodule)."""
+        return None if self.predict_path is not None else self.tokenizer.vocab_size
+
+    @property
+    def vocabulary_fingerprint(self) -> str | None:
+        """:attr:`Tokenizer.fingerprint` of the data's vocabulary, to compare with a checkpoint's
+        (``None`` for a predict-only datamodule)."""
+        return None if self.predict_path is not None else self.tokenizer.fingerprint
 
     pad_id, bos_id, eos_id = PAD_ID, BOS_ID, EOS_ID
 
     # -- splits ----------------------------------------------------------------------------------
     def dataset(self, split: str, training: bool = False) -> ParallelText:
         if split not in self.datasets:
-            src, tgt = read_parallel(*self.files(split))
+            src_file, tgt_file = self._existing_files(split)
+            src, tgt = read_parallel(src_file, tgt_file)
+            if not src:  # otherwise Lightning's generic "length of DataLoader is zero"
+                raise ValueError(f"{src_file} and {tgt_file} are empty: the {split} split has no sentences")
             self.datasets[split] = ParallelText(src, tgt, self.tokenizer, self.max_positions, training=training,
-                                                name=str(self.files(split)[0].with_suffix("")))
+                                                name=str(src_file.with_suffix("")))
         return self.datasets[split]
 
     def setup(self, stage: str) -> None:
@@ -319,6 +366,8 @@ class TranslationDataModule(LightningDataModule):
                 self.trainer._accelerator_connector.use_distributed_sampler:
             raise ValueError("TranslationDataModule shards batches over ranks itself; "
                              "run with --trainer.use_distributed_sampler=false")
+        if stage != "predict" and self.predict_path is not None:
+            raise ValueError(f"predict_path is for predict only; drop --data.predict_path to {stage}")
         if stage == "fit":
             self.dataset(self.splits["fit"], training=True)
             self.dataset(self.splits["validate"])
@@ -347,16 +396,29 @@ class TranslationDataModule(LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.dataset(self.splits["test"]), False, self.eval_max_tokens)
 
-    def predict_dataloader(self) -> DataLoader:
-        if self.predict_file is None:
-            raise ValueError("predict needs --data.predict_file FILE (or - for standard input)")
-        if self.predict_file == "-":
-            import sys
+    # -- predict: raw text, no dataset -----------------------------------------------------------
+    def predict_lines(self) -> list[str]:
+        """The lines of ``predict_path`` (read once; ``-`` is standard input)."""
+        if self.predict_path is None:
+            raise ValueError("predict needs --data.predict_path FILE (or - for standard input)")
+        if self._predict_lines is None:
+            if self.predict_path == "-":
+                # bytes, so a non-UTF-8 line is reported like one in a file, whatever the locale
+                self._predict_lines = decode_lines(sys.stdin.buffer.read(), "<standard input>")
+            else:
+                path = Path(self.predict_path)
+                if not path.is_file():
+                    raise FileNotFoundError(f"predict_path {path} not found (or not a file)")
+                self._predict_lines = read_lines(path)
+            if not self._predict_lines:  # otherwise Lightning's generic "length of DataLoader is zero"
+                where = "standard input" if self.predict_path == "-" else self.predict_path
+                raise ValueError(f"{where} is empty: predict has no sentences to translate")
+        return self._predict_lines
 
-            lines = [ln.rstrip("\r\n") for ln in sys.stdin]
-        else:
-            lines = read_lines(Path(self.predict_file))
-        data = ParallelText(lines, [""] * len(lines), self.tokenizer, self.max_positions, training=False,
-                            name=self.predict_file)
-        return DataLoader(data, batch_size=self.predict_batch_size, shuffle=False, collate_fn=collate,
-                          num_workers=self.num_workers)
+    def predict_dataloader(self) -> DataLoader:
+        """Batches ``{"index": (B,) long line numbers, "src_text": B raw lines}`` in file order,
+        ``predict_batch_size`` lines each (the last may be shorter). Every rank translates every
+        line (the task keeps one translation per line). No worker processes: the batches are
+        strings already, workers would only add start-up time."""
+        lines = list(enumerate(self.predict_lines()))
+        return DataLoader(lines, batch_size=self.predict_batch_size, shuffle=False, collate_fn=collate_text)

@@ -1,18 +1,24 @@
-"""What every task's LightningModule shares: optimizer/scheduler setup from YAML,
-channels_last and torch.compile switches, and where `test` writes its outputs."""
+"""What every task's LightningModule shares, so that every promise of the suite holds in every
+task: hyper-parameters in the checkpoint, the non-finite-loss guard, exact evaluation losses,
+data-identity checks, RNG states for exact resume, and where `test`/`predict` write."""
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import random
+import sys
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
+import torch.nn as nn
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from torchmetrics import MeanMetric
 
 from tasks.optim import param_groups
 
@@ -57,7 +63,19 @@ class SharedFactory:
 
 
 class TaskModule(LightningModule):
-    """Base of the four task modules.
+    """Base of the four task modules: what every task promises lives here, so no task can opt out.
+
+    - The checkpoint carries the model: the constructor's arguments (backbone and head class
+      paths with their arguments, and the values that come from the data, named in
+      :attr:`DATA_LINKS`) are saved as hyper-parameters, so ``validate``/``test``/``predict
+      --ckpt_path X`` and ``Task.load_from_checkpoint(X)`` rebuild the exact model.
+    - :meth:`training_step` runs the task's :meth:`training_loss` and guards it: a non-finite
+      loss stops the run (or skips and counts the step) before the optimizer step on every rank,
+      and a batch whose images were all unreadable (``{"skipped": n}``) is skipped the same way.
+    - Evaluation losses are sample-weighted means over the whole split (:meth:`log_eval_loss`),
+      so the logged and written numbers are the same under 1 and N processes.
+    - A checkpoint evaluated on a dataset whose classes / category ids / vocabulary differ from
+      the ones it was trained on is refused (:meth:`check_data_identity`).
 
     Args:
         optimizer: a callable taking parameter groups (LightningCLI injects it from YAML).
@@ -71,11 +89,16 @@ class TaskModule(LightningModule):
             step on every rank and counts it (``train/skipped_nonfinite_steps``).
     """
 
+    #: datamodule attribute -> constructor argument, for every value that comes from the data
+    #: (the CLI links them on ``fit``; a checkpoint supplies them on ``validate/test/predict``)
+    DATA_LINKS: dict[str, str] = {}
+
     def __init__(self, optimizer: OptimizerCallable = torch.optim.AdamW,
                  scheduler: LRSchedulerCallable | None = None, no_weight_decay_on_norm_bias: bool = True,
                  channels_last: bool = False, compile: bool = False,
                  on_nonfinite_loss: Literal["raise", "skip"] = "raise"):
         super().__init__()
+        self._save_constructor_arguments()
         self.optimizer = SharedFactory(optimizer)
         self.scheduler = SharedFactory(scheduler) if scheduler is not None else None
         self.no_weight_decay_on_norm_bias = no_weight_decay_on_norm_bias
@@ -83,6 +106,26 @@ class TaskModule(LightningModule):
         self.compile_networks = compile
         self.on_nonfinite_loss = on_nonfinite_loss
         self.skipped_nonfinite_steps = 0
+        self.skipped_empty_batches = 0
+        # sample-weighted means of the evaluation loss, synced exactly over ranks by torchmetrics
+        self.eval_losses = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
+
+    def _save_constructor_arguments(self) -> None:
+        # Under LightningCLI the saved values are the resolved config (class paths and arguments),
+        # which load_from_checkpoint can rebuild. Built in Python, modules and callables passed in
+        # cannot go into a weights-only checkpoint: those arguments are left out.
+        from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
+
+        frame = inspect.currentframe().f_back
+        if _given_hyperparameters.get() is not None:
+            self.save_hyperparameters(frame=frame)
+            return
+        arguments = {}
+        while frame is not None and frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is self:
+            arguments.update({k: v for k, v in frame.f_locals.items() if k not in ("self", "__class__")})
+            frame = frame.f_back
+        unsaved = [k for k, v in arguments.items() if isinstance(v, nn.Module) or callable(v)]
+        self.save_hyperparameters(ignore=unsaved, frame=inspect.currentframe().f_back)
 
     # -- model set-up -------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -114,42 +157,129 @@ class TaskModule(LightningModule):
                     raise ValueError("the schedule needs trainer.max_epochs or trainer.max_steps to know its length")
                 config.scheduler.total_steps = int(total)
 
-    # -- faults and exact resume ---------------------------------------------------------------
-    def guard_loss(self, loss: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+    # -- training, guarded ----------------------------------------------------------------------
+    def training_loss(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The task's training loss for one batch (a scalar tensor); log what it wants to show."""
+        raise NotImplementedError
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        skipped = batch.get("skipped", 0) if isinstance(batch, dict) else 0
+        if skipped:
+            self.log("data/skipped_images", float(skipped), on_step=False, on_epoch=True, reduce_fx="sum")
+        if isinstance(batch, dict) and set(batch) == {"skipped"}:  # every image of the batch was unreadable
+            return self.guard_loss(None, batch_idx)
+        return self.guard_loss(self.training_loss(batch, batch_idx), batch_idx)
+
+    def guard_loss(self, loss: torch.Tensor | None, batch_idx: int) -> torch.Tensor | None:
         """Return ``loss`` if it is finite on every rank; otherwise raise or (``on_nonfinite_loss=skip``)
-        return ``None``, which makes Lightning skip backward and the optimizer step. Ranks agree
-        on the verdict, so DDP never waits on a rank that skipped."""
-        finite = torch.isfinite(loss.detach()).all()
+        return ``None``, which makes Lightning skip backward and the optimizer step. ``loss=None``
+        (a batch with nothing left to train on) is skipped and counted. Ranks agree on the
+        verdict, so DDP never waits on a rank that skipped."""
+        empty = loss is None
+        finite = torch.tensor(not empty, device=self.device) if empty else torch.isfinite(loss.detach()).all()
+        usable = finite & torch.tensor(not empty, device=self.device)
         if self.trainer.world_size > 1:
-            finite = self.trainer.strategy.reduce(finite.float(), reduce_op="min") > 0
-        if finite:
+            verdict = torch.stack([finite.float(), usable.float()])
+            finite, usable = (self.trainer.strategy.reduce(verdict, reduce_op="min") > 0).unbind()
+        if usable:
             return loss
         where = f"global step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
-        if self.on_nonfinite_loss == "skip":
+        if not finite and self.on_nonfinite_loss == "raise":
+            value = loss.detach().float().item() if loss is not None else "on another rank"
+            raise FloatingPointError(
+                f"non-finite loss ({value}) at {where}; stopped before the optimizer step, so no checkpoint "
+                "holds the result. Lower the learning rate, check the batch, or set "
+                "model.on_nonfinite_loss=skip to skip and count such steps.")
+        if not finite:
             self.skipped_nonfinite_steps += 1
-            rank_zero_warn(f"non-finite loss at {where}: step skipped "
-                           f"({self.skipped_nonfinite_steps} so far)")
+            rank_zero_warn(f"non-finite loss at {where}: step skipped ({self.skipped_nonfinite_steps} so far)")
             self.log("train/skipped_nonfinite_steps", float(self.skipped_nonfinite_steps), reduce_fx="max")
-            return None
-        raise FloatingPointError(
-            f"non-finite loss ({loss.detach().float().item()}) at {where}; stopped before the optimizer step, so "
-            "no checkpoint holds the result. Lower the learning rate, check the batch, or set "
-            "model.on_nonfinite_loss=skip to skip and count such steps.")
+        else:
+            self.skipped_empty_batches += 1
+            rank_zero_warn(f"no readable image left in the batch at {where} (on some rank): step skipped")
+        return None
 
+    # -- evaluation ----------------------------------------------------------------------------------
+    def log_eval_loss(self, stage: str, loss: torch.Tensor, weight: float | int) -> None:
+        """Add a batch's mean loss with its weight (images, pixels' images, target tokens) to the
+        split's running mean, logged as ``<stage>/loss`` once per epoch: exact under DDP."""
+        metric = self.eval_losses[stage]
+        metric.update(loss.detach().float(), weight=float(weight))
+        self.log(f"{stage}/loss", metric, on_step=False, on_epoch=True)
+
+    def data_identity(self) -> dict[str, Any]:
+        """The values this model took from its training data (constructor arguments in :attr:`DATA_LINKS`)."""
+        return {arg: self.hparams.get(arg) for arg in self.DATA_LINKS.values() if arg in self.hparams}
+
+    def data_identity_mismatches(self, datamodule) -> list[str]:
+        """What differs between the data this model was trained on and ``datamodule``'s data."""
+        mismatches = []
+        for attr, arg in self.DATA_LINKS.items():
+            mine = self.hparams.get(arg)
+            if mine is None:
+                continue
+            theirs = getattr(datamodule, attr)
+            theirs = list(theirs) if isinstance(theirs, (list, tuple)) else theirs
+            mine = list(mine) if isinstance(mine, (list, tuple)) else mine
+            if mine != theirs:
+                mismatches.append(f"{arg}: model {_short(mine)} vs data {_short(theirs)}")
+        return mismatches
+
+    def check_data_identity(self) -> None:
+        """Refuse to score a dataset whose classes / category ids / vocabulary are not the model's:
+        the labels would silently mean something else."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None:
+            return
+        mismatches = self.data_identity_mismatches(datamodule)
+        if mismatches:
+            source = f"checkpoint {self.trainer.ckpt_path}" if self.trainer.ckpt_path else "the model"
+            raise ValueError(f"{source} was trained on other data than data.root={getattr(datamodule, 'root', None)}: "
+                             + "; ".join(mismatches)
+                             + ". Evaluate it on data with the same classes (ids, vocabulary), or fine-tune it with fit.")
+
+    def on_validation_start(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.check_data_identity()
+
+    def on_test_start(self) -> None:
+        self.check_data_identity()
+
+    # -- checkpoints ------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # resuming mid-epoch replays dropout and augmentation draws exactly only with the RNG states
         checkpoint["rng_states"] = rng_states()
+        checkpoint["suite_task"] = qualified_name(type(self))
+        group = getattr(self, "wandb_group", None)
+        if group:
+            checkpoint["wandb_group"] = group
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "rng_states" in checkpoint and self.trainer is not None and self.trainer.state.fn == "fit":
             set_rng_states(checkpoint["rng_states"])
+        saved = checkpoint.get("hyper_parameters", {})
+        differing = [f"{arg}: checkpoint {_short(saved[arg])} vs now {_short(value)}"
+                     for arg, value in self.data_identity().items()
+                     if arg in saved and _plain(saved[arg]) != _plain(value)]
+        if differing:
+            raise ValueError("the checkpoint was trained on other data than this run's: " + "; ".join(differing))
         self.skipped_nonfinite_steps = 0
 
-    # -- outputs of `test` ----------------------------------------------------------------------
+    # -- outputs of `test` and `predict` -----------------------------------------------------------
     @property
     def predictions_dir(self) -> Path:
         """``<trainer.default_root_dir>/predictions``, where `test` writes what it scored."""
         return Path(self.trainer.default_root_dir) / "predictions"
+
+    @property
+    def predict_dir(self) -> Path:
+        """``<trainer.default_root_dir>/predictions/predict``, where `predict` writes."""
+        return self.predictions_dir / "predict"
+
+    @property
+    def predict_destination(self) -> str:
+        """Where `predict` wrote, as the CLI prints it."""
+        return str(self.predict_dir.resolve())
 
     @rank_zero_only
     def write_metrics_json(self, metrics: dict[str, float]) -> Path:
@@ -159,6 +289,14 @@ class TaskModule(LightningModule):
         clean = {k: float(v) for k, v in metrics.items()}
         path.write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
         return path
+
+    def eval_loss_value(self, stage: str) -> dict[str, float]:
+        """``{"<stage>/loss": value}``, the sample-weighted mean over every rank's batches (empty when
+        no batch had a loss). Called by every rank: computing the metric syncs it."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "compute before update" when a split had no labelled batch
+            value = float(self.eval_losses[stage].compute())
+        return {f"{stage}/loss": value} if math.isfinite(value) else {}
 
     def all_gather_objects(self, items: list) -> list:
         """Concatenate a per-rank Python list over all ranks (uneven lengths are fine).
@@ -178,3 +316,32 @@ class TaskModule(LightningModule):
         if self.global_rank != 0:
             return None
         return next((lg for lg in self.loggers if isinstance(lg, WandbLogger)), None)
+
+    def sample_batch_indices(self, count: int) -> set[int]:
+        """Indices of ``count`` validation batches spread evenly over the split, so logged samples
+        show many classes (evaluation order is sorted, often by class)."""
+        total = self.trainer.num_val_batches[0] if self.trainer.num_val_batches else 0
+        total = int(total) if math.isfinite(total) else count
+        if total <= 0 or count <= 0:
+            return set()
+        return {int(i * total / count) for i in range(min(count, total))}
+
+
+def qualified_name(cls: type) -> str:
+    """``tasks.detect.DetectionTask``, also when the module runs as ``python -m tasks.detect``."""
+    module = cls.__module__
+    if module == "__main__":
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        module = spec.name if spec is not None else module
+    return f"{module}.{cls.__qualname__}"
+
+
+def _plain(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _short(value, limit: int = 6) -> str:
+    if isinstance(value, (list, tuple)):
+        head = ", ".join(repr(v) for v in list(value)[:limit])
+        return f"[{head}{', ...' if len(value) > limit else ''}] ({len(value)})"
+    return repr(value)

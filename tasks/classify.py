@@ -1,7 +1,9 @@
 """Image classification: ``python -m tasks.classify {fit,validate,test,predict}``.
 
 Top-1/top-5 accuracy with torchmetrics; `test` writes ``predictions/predictions.csv``
-(image, label, prediction, score) and ``predictions/metrics.json``.
+(image, label, prediction, score) and ``predictions/metrics.json``; `predict` writes
+``predictions/predict/predictions.csv`` (image, prediction, score, top-5 classes) for any
+image or folder of images (``--data.predict_path``), labelled or not.
 """
 from __future__ import annotations
 
@@ -29,9 +31,12 @@ class ClassificationTask(TaskModule):
             ``backbones.weights``): the backbone must fit it exactly; its classifier is kept
             when the class count matches and dropped with a warning otherwise. For a
             backbone-only start use the backbone's own ``pretrained`` argument.
-        num_sample_images: images logged to wandb with their predictions each validation epoch.
+        num_sample_images: images logged to wandb with their predictions each validation epoch,
+            drawn from batches spread over the split.
         Remaining arguments: see :class:`tasks.base.TaskModule`.
     """
+
+    DATA_LINKS = {"classes": "class_names"}
 
     def __init__(self, backbone: Backbone, class_names: list[str], head_dropout: float = 0.0,
                  label_smoothing: float = 0.0, weights: str | None = None, num_sample_images: int = 16,
@@ -52,6 +57,8 @@ class ClassificationTask(TaskModule):
         self.test_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.test_top5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
         self._test_rows: list[tuple] = []
+        self._predict_rows: list[tuple] = []
+        self._samples: list[tuple] = []
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) -> logits (B, num_classes)."""
@@ -61,33 +68,42 @@ class ClassificationTask(TaskModule):
         # soft targets (MixUp/CutMix) are (B, C) probabilities; cross_entropy takes both forms
         return F.cross_entropy(logits.float(), target, label_smoothing=self.label_smoothing)
 
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        if batch["skipped"]:
-            self.log("data/skipped_images", float(batch["skipped"]), on_step=False, on_epoch=True, reduce_fx="sum")
+    def training_loss(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self._loss(self(batch["image"]), batch["target"])
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["image"]))
         return loss
 
     def _eval_step(self, batch: dict, stage: str, top1, top5) -> torch.Tensor:
         logits = self(batch["image"])
         target = batch["target"]
-        loss = self._loss(logits, target)
+        self.log_eval_loss(stage, self._loss(logits, target), weight=len(target))
         top1.update(logits, target)
         top5.update(logits, target)
-        self.log(f"{stage}/loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=len(target))
         return logits
 
+    def on_validation_epoch_start(self) -> None:
+        self._samples = []
+        self._sample_batches = self.sample_batch_indices(self.num_sample_images)
+
     def validation_step(self, batch: dict, batch_idx: int) -> None:
+        if "image" not in batch:
+            return
         logits = self._eval_step(batch, "val", self.val_top1, self.val_top5)
         self.log("val/top1", self.val_top1, on_step=False, on_epoch=True, prog_bar=True)
         self.log("val/top5", self.val_top5, on_step=False, on_epoch=True)
-        if batch_idx == 0:
-            self._log_samples(batch["image"], logits, batch["target"])
+        if batch_idx in self._sample_batches and not self.trainer.sanity_checking:
+            self._samples.append((batch["image"][0], logits[0].argmax().item(), int(batch["target"][0])))
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_samples()
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
+        if "image" not in batch:
+            return
         logits = self._eval_step(batch, "test", self.test_top1, self.test_top5)
         scores, preds = logits.float().softmax(-1).max(-1)
-        self._test_rows += zip(batch["index"].tolist(), batch["target"].tolist(), preds.tolist(), scores.tolist())
+        self._test_rows += zip(batch["index"].tolist(), batch["path"], batch["target"].tolist(), preds.tolist(),
+                               scores.tolist())
 
     def on_test_epoch_start(self) -> None:
         self._test_rows = []
@@ -98,36 +114,52 @@ class ClassificationTask(TaskModule):
         self.test_top1.reset()
         self.test_top5.reset()
         rows = sorted(self.all_gather_objects(self._test_rows))
+        loss = self.eval_loss_value("test")  # on every rank: computing it syncs
         if self.global_rank != 0:
             return
-        dataset = self.trainer.datamodule.test_set
         self.predictions_dir.mkdir(parents=True, exist_ok=True)
         with open(self.predictions_dir / "predictions.csv", "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["image", "label", "prediction", "score"])
-            for index, target, pred, score in rows:
-                path = dataset.samples[index][0].relative_to(dataset.root)
-                writer.writerow([path.as_posix(), self.class_names[target], self.class_names[pred], f"{score:.6f}"])
-        loss = self.trainer.callback_metrics.get("test/loss")
-        self.write_metrics_json({**metrics, **({"test/loss": loss} if loss is not None else {})})
+            for _, path, target, pred, score in rows:
+                writer.writerow([path, self.class_names[target], self.class_names[pred], f"{score:.6f}"])
+        self.write_metrics_json({**metrics, **loss})
 
-    def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
-        scores, preds = self(batch["image"]).float().softmax(-1).max(-1)
-        return [{"index": i, "prediction": self.class_names[p], "score": s}
-                for i, p, s in zip(batch["index"].tolist(), preds.tolist(), scores.tolist())]
+    # -- predict ------------------------------------------------------------------------------------
+    def on_predict_epoch_start(self) -> None:
+        self._predict_rows = []
 
-    def _log_samples(self, images: torch.Tensor, logits: torch.Tensor, target: torch.Tensor) -> None:
-        logger = self.wandb_logger
-        if logger is None or self.num_sample_images <= 0 or self.trainer.sanity_checking:
+    def predict_step(self, batch: dict, batch_idx: int) -> None:
+        if "image" not in batch:
             return
-        n = min(self.num_sample_images, len(images))
-        shown = images[:n].float()
+        probs = self(batch["image"]).float().softmax(-1)
+        top = probs.topk(min(5, probs.shape[-1]), dim=-1)
+        for index, path, scores, labels in zip(batch["index"].tolist(), batch["path"], top.values.tolist(),
+                                               top.indices.tolist()):
+            self._predict_rows.append((index, path, scores, labels))
+
+    def on_predict_epoch_end(self) -> None:
+        rows = sorted(self.all_gather_objects(self._predict_rows))
+        if self.global_rank != 0:
+            return
+        self.predict_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.predict_dir / "predictions.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["image", "prediction", "score", "top5"])
+            for _, path, scores, labels in dict((r[0], r) for r in rows).values():  # a padding sampler repeats
+                top5 = " ".join(f"{self.class_names[c]}:{s:.4f}" for c, s in zip(labels, scores))
+                writer.writerow([path, self.class_names[labels[0]], f"{scores[0]:.6f}", top5])
+
+    def _log_samples(self) -> None:
+        logger = self.wandb_logger
+        samples, self._samples = self._samples, []
+        if logger is None or not samples:
+            return
+        shown = torch.stack([image.float() for image, _, _ in samples])
         lo = shown.amin(dim=(1, 2, 3), keepdim=True)
         hi = shown.amax(dim=(1, 2, 3), keepdim=True)
         shown = ((shown - lo) / (hi - lo).clamp_min(1e-6)).cpu()
-        preds = logits[:n].argmax(-1).tolist()
-        captions = [f"pred {self.class_names[p]} / true {self.class_names[t]}"
-                    for p, t in zip(preds, target[:n].tolist())]
+        captions = [f"pred {self.class_names[p]} / true {self.class_names[t]}" for _, p, t in samples]
         logger.log_image("val/samples", list(shown), caption=captions)
 
 
@@ -136,7 +168,7 @@ def main(args=None) -> None:
     from tasks.cli import SuiteCLI
 
     SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
-             monitor="val/top1", links={"classes": "class_names"}, args=args)
+             monitor="val/top1", args=args)
 
 
 if __name__ == "__main__":

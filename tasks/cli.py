@@ -2,30 +2,43 @@
 
 Defaults shared by all tasks (each overridable from YAML or the command line):
 - the task's demo recipe when no ``--config`` is given;
-- a WandbLogger (project ``suite-<task>``), offline unless an API key is configured,
-  writing under ``trainer.default_root_dir``; the resolved config goes into the run;
-- ModelCheckpoint on the task's main metric plus ``last.ckpt`` (``--checkpoint.*``);
-- a per-step learning-rate monitor and a rich progress bar;
+- a WandbLogger (project ``suite-<task>``), offline unless an API key is configured, writing
+  under ``trainer.default_root_dir``; fit, validate, test and predict runs of one model share a
+  wandb group (carried by the checkpoint) with the subcommand as job type; the resolved config
+  goes into the run as ``suite_config.yaml``;
+- ModelCheckpoint on the task's main metric plus ``last.ckpt``, written on its own schedule
+  (every ``every_n_train_steps`` and every epoch end) whether or not the metric exists yet;
+- a per-step learning-rate monitor; a Rich progress bar on a terminal, plain progress lines
+  (:class:`tasks.progress.LineProgress`) when the output goes to a file;
 - a fixed seed.
+
+With ``--ckpt_path`` on ``validate``/``test``/``predict`` the checkpoint supplies the model:
+its saved constructor arguments (backbone and head, class names, category ids, vocabulary)
+rebuild it, and only ``--model.*`` arguments given on the command line override them.
 """
 from __future__ import annotations
 
 import os
 import sys
+import uuid
 from netrc import netrc
 from pathlib import Path
 from typing import Sequence
 
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 import configs
+from tasks.base import qualified_name
+from tasks.progress import LineProgress, stdout_is_terminal
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+EVALUATION = ("validate", "test", "predict")
+CONFIG_FILE_NAME = "suite_config.yaml"  # wandb keeps "config.yaml" for itself
 
 
 def wandb_has_credentials() -> bool:
@@ -44,64 +57,81 @@ def recipe_path(task: str, name: str) -> Path:
 
 
 class LatestAndBestCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint whose ``last.ckpt`` always holds the latest state. Lightning (2.5+) rewrites
-    ``last.ckpt`` only when a top-k file is written, so after a non-improving epoch
-    ``--ckpt_path last`` would resume from the best epoch instead of the latest one."""
+    """ModelCheckpoint whose ``last.ckpt`` always holds the latest state, on its own schedule.
+
+    Lightning (2.5+) rewrites ``last.ckpt`` only together with a top-k file, and holds step-based
+    saves back until the monitored metric exists: a run killed before its first validation (a
+    whole epoch, or three in a recipe validating every third) left nothing to resume from. Here
+    ``last.ckpt`` is written every ``every_n_train_steps`` steps and at every training epoch end,
+    whatever the metric; the best checkpoints still follow the metric."""
+
+    def _refresh_last(self, trainer: Trainer) -> None:
+        if (not self.save_last or trainer.sanity_checking or trainer.state.fn != "fit" or trainer.fast_dev_run
+                or getattr(self, "_last_refreshed_step", -1) == trainer.global_step):
+            return
+        # a last-only save must not make the top-k save of the same step look done already
+        top_k_step = self._last_global_step_saved
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        self._last_global_step_saved = top_k_step
+        self._last_refreshed_step = trainer.global_step
 
     def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict) -> None:
         super()._save_last_checkpoint(trainer, monitor_candidates)
         self._last_refreshed_step = trainer.global_step
 
-    def _refresh_last(self, trainer: Trainer) -> None:
-        if (self.save_last and not self._should_skip_saving_checkpoint(trainer)
-                and getattr(self, "_last_refreshed_step", -1) != trainer.global_step):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._every_n_train_steps > 0 and trainer.global_step % self._every_n_train_steps == 0:
+            self._refresh_last(trainer)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
-        if not self._should_save_on_train_epoch_end(trainer):
-            self._refresh_last(trainer)
+        self._refresh_last(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
-        if self._should_save_on_train_epoch_end(trainer):
-            self._refresh_last(trainer)
+        self._refresh_last(trainer)
 
 
 class SaveConfigToRun(SaveConfigCallback):
-    """Store the resolved config with the run: ``config.yaml`` in the wandb run's files
-    (synced with it) and the values as wandb config; with no wandb logger, in the
-    run's root directory. Overwrites, so re-running a command never aborts."""
+    """Store the resolved config with the run: ``suite_config.yaml`` in the wandb run's files
+    (synced with it; wandb reserves ``config.yaml``) and the values as wandb config; with no
+    wandb logger, in the run's root directory. Overwrites, so re-running a command never aborts."""
 
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # runs on rank 0 only: no collective calls here (trainer.log_dir broadcasts, so it would hang DDP)
         text = self.parser.dump(self.config, skip_none=False)
         logger = trainer.logger
         if isinstance(logger, WandbLogger):
-            (Path(logger.experiment.dir) / "config.yaml").write_text(text)
+            (Path(logger.experiment.dir) / CONFIG_FILE_NAME).write_text(text)
             logger.experiment.config.update(yaml.safe_load(text), allow_val_change=True)
         else:
             target = Path(trainer.default_root_dir)
             target.mkdir(parents=True, exist_ok=True)
-            (target / "config.yaml").write_text(text)
+            (target / CONFIG_FILE_NAME).write_text(text)
 
 
 class SuiteCLI(LightningCLI):
-    """LightningCLI with the suite's defaults. ``links`` maps datamodule attributes to model
-    arguments that must come from the data (``{"num_classes": "num_classes"}``)."""
+    """LightningCLI with the suite's defaults. The model's ``DATA_LINKS`` (datamodule attribute ->
+    constructor argument) are linked on ``fit`` and on evaluations without a checkpoint; with a
+    checkpoint they come from it, and the task checks them against the data it scores."""
 
     def __init__(self, model_class: type[LightningModule], datamodule_class: type[LightningDataModule], *,
                  task: str, default_config: str, monitor: str, mode: str = "max",
-                 links: dict[str, str] | None = None, args: Sequence[str] | None = None, run: bool = True):
+                 args: Sequence[str] | None = None, run: bool = True):
         self.task = task
         self.monitor = monitor
         self.mode = mode
-        self.links = links or {}
         default = recipe_path(task, default_config)
+        argv = list(sys.argv[1:] if args is None else args)
+        argv = with_default_config(argv, default)
         if args is None:  # from the command line: edit argv so LightningCLI sees one source of args
-            sys.argv[1:] = with_default_config(sys.argv[1:], default)
+            sys.argv[1:] = argv
         else:
-            args = with_default_config(list(args), default)
+            args = argv
+        self.argv = argv
+        self.checkpoint = read_checkpoint_for(argv, model_class)
+        self.links = {} if self.checkpoint is not None else dict(getattr(model_class, "DATA_LINKS", {}))
         super().__init__(
             model_class,
             datamodule_class,
@@ -137,6 +167,28 @@ class SuiteCLI(LightningCLI):
         })
         for data_attr, model_arg in self.links.items():
             parser.link_arguments(f"data.{data_attr}", f"model.{model_arg}", apply_on="instantiate")
+        if self.checkpoint is not None:
+            # the data-derived arguments are required; the checkpoint holds them
+            saved = self.checkpoint.get("hyper_parameters", {})
+            parser.set_defaults({f"model.{arg}": saved[arg] for arg in self._model_class.DATA_LINKS.values()
+                                 if arg in saved})
+
+    def _parse_ckpt_path(self) -> None:
+        """The checkpoint's constructor arguments rebuild the model; ``--model.*`` arguments given
+        on the command line still win (Lightning's own merge lets the checkpoint win over them)."""
+        if self.checkpoint is None:
+            return
+        hparams = dict(self.checkpoint.get("hyper_parameters", {}))
+        hparams.pop("_instantiator", None)
+        hparams.pop("_class_path", None)
+        if not hparams:
+            return
+        sub = self.config.subcommand
+        self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
+        overrides = model_overrides(self.argv)
+        if overrides:
+            subparser = self.parser._subcommands_action._name_parser_map[sub]
+            self.config[sub] = subparser.parse_args(overrides, namespace=self.config[sub].clone())
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -145,23 +197,57 @@ class SuiteCLI(LightningCLI):
         # (the logger's per-run version directory changes on every launch)
         if config.checkpoint.dirpath is None:
             config.checkpoint.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
-        if trainer.sync_batchnorm and not _uses_gpus(trainer.accelerator):
+        if self.subcommand in (None, "fit") and trainer.sync_batchnorm and not _uses_gpus(trainer.accelerator):
             raise ValueError(
                 "trainer.sync_batchnorm=true synchronises BatchNorm statistics across GPUs (SyncBatchNorm needs CUDA); "
-                f"this run uses accelerator={trainer.accelerator!r} without a GPU. Drop the flag on CPU.")
+                f"this run trains with accelerator={trainer.accelerator!r} without a GPU. Drop the flag on CPU.")
+        if self.subcommand in EVALUATION:
+            trainer.sync_batchnorm = False  # nothing trains: BatchNorm uses its running statistics
         if self.subcommand and config.get("weights_only") is None:
             config.weights_only = True  # our checkpoints hold tensors and plain values: never unpickle code
-        if self.subcommand and config.get("ckpt_path") not in (None, "last", "best", "hpc", "registry"):
-            check_checkpoint_file(config.ckpt_path)
-        self._route_wandb_to_run_root(config)
+        if self.subcommand == "fit" and config.get("ckpt_path") == "last":
+            last = Path(config.checkpoint.dirpath) / "last.ckpt"
+            if not last.is_file():
+                raise FileNotFoundError(
+                    f"--ckpt_path last: there is no {last} to resume from (trainer.default_root_dir="
+                    f"{trainer.default_root_dir}). Run without --ckpt_path to start afresh, or point "
+                    "--trainer.default_root_dir at the interrupted run.")
+        self._route_loggers_to_run_root(config)
+        self._link_wandb_runs(config)
 
-    def _route_wandb_to_run_root(self, config) -> None:
-        # wandb writes under the run's root dir unless the recipe names another save_dir
-        # (WandbLogger's own default, ".", would scatter runs over the working directory)
+    def _route_loggers_to_run_root(self, config) -> None:
+        # every logger writes under the run's root unless the recipe names another directory
+        # (their own defaults, "." or lightning_logs, scatter runs over the working directory)
+        loggers = config.trainer.logger
+        for logger in loggers if isinstance(loggers, list) else [loggers]:
+            init_args = getattr(logger, "init_args", None)
+            if init_args is None:
+                continue
+            key = "save_dir" if "save_dir" in init_args or not "root_dir" in init_args else "root_dir"
+            if init_args.get(key) in (None, ".", "", "lightning_logs"):
+                Path(config.trainer.default_root_dir).mkdir(parents=True, exist_ok=True)
+                init_args[key] = config.trainer.default_root_dir
+
+    def _link_wandb_runs(self, config) -> None:
+        # fit, validate, test and predict runs of one model share a wandb group; the job type
+        # says which subcommand made each run
         logger = config.trainer.logger
-        if getattr(logger, "class_path", "").endswith("WandbLogger") and logger.init_args.get("save_dir") in (None, "."):
-            Path(config.trainer.default_root_dir).mkdir(parents=True, exist_ok=True)
-            logger.init_args.save_dir = config.trainer.default_root_dir
+        if not getattr(logger, "class_path", "").endswith("WandbLogger"):
+            return
+        init_args = logger.init_args
+        if init_args.get("job_type") is None:
+            init_args["job_type"] = self.subcommand or "fit"
+        if init_args.get("group") is None:
+            saved = (self.checkpoint or {}).get("wandb_group")
+            if saved is None and config.get("ckpt_path") == "last":
+                last = Path(config.checkpoint.dirpath) / "last.ckpt"
+                saved = read_checkpoint(last).get("wandb_group") if last.is_file() else None
+            init_args["group"] = saved or f"{Path(config.trainer.default_root_dir).name}-{uuid.uuid4().hex[:8]}"
+
+    def after_instantiate_classes(self) -> None:
+        logger = self.trainer.logger if self.trainer is not None else None
+        if isinstance(logger, WandbLogger):
+            self.model.wandb_group = logger._wandb_init.get("group")
 
     def _instantiate_trainer(self, config: dict, callbacks: list) -> Trainer:
         # `--trainer.enable_checkpointing false`, `--trainer.enable_progress_bar false` and
@@ -173,6 +259,10 @@ class SuiteCLI(LightningCLI):
         if unwanted:
             callbacks = [c for c in callbacks if not isinstance(c, unwanted)]
             config["callbacks"] = [c for c in config.get("callbacks") or [] if not isinstance(c, unwanted)]
+        if not stdout_is_terminal():
+            # a redrawn bar in a log file is one frame per run: print plain lines instead
+            config["callbacks"] = [LineProgress() if isinstance(c, RichProgressBar) else c
+                                   for c in config.get("callbacks") or []]
         return super()._instantiate_trainer(config, callbacks)
 
     def after_fit(self) -> None:
@@ -190,13 +280,18 @@ class SuiteCLI(LightningCLI):
         if isinstance(trainer.logger, WandbLogger):
             run_dir = Path(trainer.logger.experiment.dir).parent
             lines.append(f"wandb run:        {run_dir}")
-            if trainer.logger.experiment.settings.mode == "offline":
+            if trainer.logger.experiment.settings.mode in ("offline", "dryrun"):
                 lines.append(f"                  offline; upload later with `wandb sync {run_dir}`")
         rank_zero_info("\n".join(lines))
 
     def after_test(self) -> None:
         if self.trainer.global_rank == 0:
             rank_zero_info(f"predictions:      {(Path(self.trainer.default_root_dir) / 'predictions').resolve()}")
+
+    def after_predict(self) -> None:
+        if self.trainer.global_rank == 0:
+            # standard error: translation's predict may be writing its output to standard output
+            print(f"predictions:      {self.model.predict_destination}", file=sys.stderr, flush=True)
 
 
 def _uses_gpus(accelerator) -> bool:
@@ -206,9 +301,9 @@ def _uses_gpus(accelerator) -> bool:
     return torch.cuda.is_available() and ("gpu" in name or "cuda" in name or name == "auto")
 
 
-def check_checkpoint_file(path: str) -> None:
-    """Refuse a missing, truncated or foreign checkpoint with its path before any work starts
-    (the error torch raises deep inside Lightning does not name the file)."""
+def read_checkpoint(path: str | Path) -> dict:
+    """Load a checkpoint's contents (weights-only) or refuse a missing, truncated or foreign file
+    naming it, before Lightning's own loading fails without the path."""
     import torch
 
     file = Path(path)
@@ -218,12 +313,60 @@ def check_checkpoint_file(path: str) -> None:
         checkpoint = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:
         raise ValueError(f"cannot read checkpoint {file} ({file.stat().st_size} bytes): {err}. "
-                         "Is it truncated (an interrupted copy or download)?") from err
+                         "Is it truncated (an interrupted copy or download), or not a checkpoint at all?") from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "pytorch-lightning_version" not in checkpoint:
         keys = list(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise ValueError(f"{file} is not a Lightning checkpoint of this suite (top-level keys: {keys}). "
                          "To start from foreign weights (timm, CVNets), use the backbone's `pretrained` "
                          "argument or the classification task's `weights`.")
+    return checkpoint
+
+
+def check_checkpoint_file(path: str, model_class: type | None = None) -> dict:
+    """:func:`read_checkpoint`, and refuse a checkpoint of another task, naming both."""
+    checkpoint = read_checkpoint(path)
+    saved = checkpoint.get("suite_task")
+    if model_class is not None:
+        expected = qualified_name(model_class)
+        if saved is not None and saved != expected:
+            raise ValueError(f"{path} is a checkpoint of {saved}, not of {expected}: "
+                             f"use it with `python -m {saved.rsplit('.', 1)[0]}`")
+    return checkpoint
+
+
+def read_checkpoint_for(argv: list[str], model_class: type) -> dict | None:
+    """The checkpoint an evaluation subcommand (validate/test/predict) names with ``--ckpt_path``,
+    checked; ``None`` for fit, for no checkpoint and for Lightning's aliases (last, best, ...)."""
+    subcommand = next((a for a in argv if a in SUBCOMMANDS), None)
+    path = option_value(argv, "--ckpt_path")
+    if path in (None, "null", "None"):
+        return None
+    if path in ("last", "best", "hpc", "registry"):
+        return None
+    checkpoint = check_checkpoint_file(path, model_class)
+    return checkpoint if subcommand in EVALUATION else None
+
+
+def option_value(argv: list[str], name: str) -> str | None:
+    """The value of ``name`` in an argument list (``--name value`` or ``--name=value``; the last wins)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg[len(name) + 1:]
+    return value
+
+
+def model_overrides(argv: list[str]) -> list[str]:
+    """The ``--model.*`` arguments of an argument list, with their values, in order."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--model.") or arg.startswith("--model="):
+            out.append(arg)
+            if "=" not in arg and i + 1 < len(argv):
+                out.append(argv[i + 1])
+    return out
 
 
 def with_default_config(args: list[str], default: Path) -> list[str]:

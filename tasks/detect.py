@@ -6,12 +6,16 @@ faster_coco_eval backend, whose numbers are pycocotools' COCOeval's). `test` wri
 category ids, ``[x, y, w, h]`` boxes in original-image pixels) and ``predictions/metrics.json``;
 `predict` writes one JSON per image (and, with ``model.draw_predictions``, the image with its
 boxes) under ``predictions/predict/``.
+
+The head is a component like the backbone: ``model.head`` builds it from
+``(backbone.feature_channels, num_classes)`` (YAML ``class_path: heads.ssdlite.SSDLiteHead`` with
+its anchor/pyramid arguments as ``init_args``).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -19,8 +23,11 @@ import torch.distributed as dist
 from torchmetrics.detection import MeanAveragePrecision
 
 from backbones import Backbone
-from heads.ssdlite import GLOBAL_LEVEL, SSDLiteHead
+from heads.ssdlite import SSDLiteHead
 from tasks.base import TaskModule
+
+#: builds a head from ``(backbone.feature_channels, num_classes)``; YAML: ``class_path: heads.ssdlite.SSDLiteHead``
+DetectionHeadFactory = Callable[[dict[int, int], int], SSDLiteHead]
 
 #: what `validate`/`test` log, as torchmetrics names them
 MAP_KEYS = ("map", "map_50", "map_75", "map_small", "map_medium", "map_large", "mar_1", "mar_10", "mar_100",
@@ -73,33 +80,30 @@ class CocoMeanAveragePrecision(MeanAveragePrecision):
 
 
 class DetectionTask(TaskModule):
-    """Backbone + :class:`SSDLiteHead`, trained with the multibox loss, scored with COCO mAP.
+    """Backbone + detection head (SSDLite), trained with the multibox loss, scored with COCO mAP.
 
     Args:
         backbone: any image backbone (YAML ``class_path: backbones.MobileViTv2``) providing the
-            head's first strides (16 and 32 by default; plain backbones via their pyramid argument).
+            head's first strides (plain backbones via their pyramid argument).
         num_classes: object classes, linked from the datamodule.
         category_ids, category_names: the annotation file's id and name of each label, linked from
             the datamodule; ids go into ``detections.json``, names into logged images.
-        output_strides, proj_channels, aspect_ratios, min_scale, max_scale, center_variance,
-        size_variance, iou_threshold, neg_pos_ratio, score_threshold, topk_candidates,
-        nms_threshold, detections_per_image: the SSDLite head (:class:`heads.ssdlite.SSDLiteHead`).
+        head: builds the head from ``(backbone.feature_channels, num_classes)``; ``None`` is
+            :class:`heads.ssdlite.SSDLiteHead` with its defaults (the COCO pyramid). Its arguments
+            (output strides, projection channels, aspect ratios, anchor scales, box-coder variances,
+            matching threshold, hard-negative ratio, post-processing) are the head's own.
         num_sample_images: validation images logged to wandb with predicted and true boxes.
         display_score_threshold: lowest score drawn on logged images and kept by `predict`.
         draw_predictions: `predict` also writes each image with its boxes drawn.
         Remaining arguments: see :class:`tasks.base.TaskModule`.
     """
 
+    DATA_LINKS = {"num_classes": "num_classes", "category_ids": "category_ids", "category_names": "category_names"}
+
     def __init__(self, backbone: Backbone, num_classes: int, category_ids: list[int] | None = None,
-                 category_names: list[str] | None = None,
-                 output_strides: list[int] = (16, 32, 64, 128, 256, GLOBAL_LEVEL),
-                 proj_channels: list[int] = (512, 256, 256, 128, 128, 64),
-                 aspect_ratios: list[list[float]] = ((2, 3),) * 5 + ((2,),),
-                 min_scale: float = 0.1, max_scale: float = 1.05, center_variance: float = 0.1,
-                 size_variance: float = 0.2, iou_threshold: float = 0.5, neg_pos_ratio: float = 3.0,
-                 score_threshold: float = 0.01, topk_candidates: int = 400, nms_threshold: float = 0.5,
-                 detections_per_image: int = 200, num_sample_images: int = 8, display_score_threshold: float = 0.3,
-                 draw_predictions: bool = False, **kwargs):
+                 category_names: list[str] | None = None, head: DetectionHeadFactory | None = None,
+                 num_sample_images: int = 8, display_score_threshold: float = 0.3, draw_predictions: bool = False,
+                 **kwargs):
         super().__init__(**kwargs)
         self.backbone = backbone
         self.num_classes = num_classes
@@ -108,10 +112,7 @@ class DetectionTask(TaskModule):
         if not (len(self.category_ids) == len(self.category_names) == num_classes):
             raise ValueError(f"num_classes={num_classes} but {len(self.category_ids)} category ids and "
                              f"{len(self.category_names)} names")
-        self.head = SSDLiteHead(
-            backbone.feature_channels, num_classes, output_strides, proj_channels, aspect_ratios, min_scale,
-            max_scale, center_variance, size_variance, iou_threshold, neg_pos_ratio, score_threshold,
-            topk_candidates, nms_threshold, detections_per_image)
+        self.head = (head or SSDLiteHead)(dict(backbone.feature_channels), num_classes)
         self.num_sample_images = num_sample_images
         self.display_score_threshold = display_score_threshold
         self.draw_predictions = draw_predictions
@@ -135,8 +136,8 @@ class DetectionTask(TaskModule):
         return self.head.loss(cls_logits, box_regression, labels, codes)
 
     # -- training ---------------------------------------------------------------------------------
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        images, targets = batch
+    def training_loss(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        images, targets = batch["image"], batch["targets"]
         losses = self._losses(self(images), images, targets)
         self.log("train/loss", losses["loss"], prog_bar=True, batch_size=len(images))
         self.log_dict({"train/loss_cls": losses["loss_cls"], "train/loss_box": losses["loss_box"]},
@@ -155,11 +156,11 @@ class DetectionTask(TaskModule):
             out.append({**det, "boxes": det["boxes"] * scale})
         return out
 
-    def _eval_step(self, batch, stage: str, metric: CocoMeanAveragePrecision):
-        images, targets = batch
+    def _eval_step(self, batch: dict, stage: str, metric: CocoMeanAveragePrecision):
+        images, targets = batch["image"], batch["targets"]
         outputs = self(images)
         losses = self._losses(outputs, images, targets)
-        self.log(f"{stage}/loss", losses["loss"], on_step=False, on_epoch=True, sync_dist=True, batch_size=len(images))
+        self.log_eval_loss(stage, losses["loss"], weight=len(images))
         detections = self.head.postprocess(*outputs, image_size=tuple(images.shape[-2:]))
         detections_orig = self.to_original_pixels(detections, targets, tuple(images.shape[-2:]))
         ground_truth = [{"boxes": t["gt_boxes"], "labels": t["gt_labels"], "iscrowd": t["gt_iscrowd"],
@@ -167,10 +168,12 @@ class DetectionTask(TaskModule):
         metric.update(detections_orig, ground_truth, [t["image_id"] for t in targets])
         return detections, detections_orig
 
-    def validation_step(self, batch, batch_idx: int) -> None:
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        if "image" not in batch:
+            return
         detections, _ = self._eval_step(batch, "val", self.val_map)
         if batch_idx == 0:
-            self._log_samples(batch[0], detections, batch[1])
+            self._log_samples(batch["image"], detections, batch["targets"])
 
     def on_validation_epoch_end(self) -> None:
         self._log_map("val", self.val_map)
@@ -184,10 +187,12 @@ class DetectionTask(TaskModule):
         self.log_dict({k: v for k, v in logged.items() if k != f"{stage}/map"})
         return logged
 
-    def test_step(self, batch, batch_idx: int) -> None:
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        if "image" not in batch:
+            return
         _, detections = self._eval_step(batch, "test", self.test_map)
         self._test_results += [(t["image_id"], self.records(d, image_id=t["image_id"]))
-                               for d, t in zip(detections, batch[1])]
+                               for d, t in zip(detections, batch["targets"])]
 
     def records(self, det: dict[str, torch.Tensor], **extra) -> list[dict]:
         """One image's detections as COCO result records: ``bbox`` ``[x, y, w, h]``, ``score``, the
@@ -203,6 +208,7 @@ class DetectionTask(TaskModule):
     def on_test_epoch_end(self) -> None:
         metrics = self._log_map("test", self.test_map)
         results = self.all_gather_objects(self._test_results)
+        loss = self.eval_loss_value("test")  # on every rank: computing it syncs
         if self.global_rank != 0:
             return
         # a padding sampler may score an image twice: keep it once, as the metric does
@@ -210,15 +216,18 @@ class DetectionTask(TaskModule):
         detections = [d for image_id in sorted(per_image) for d in per_image[image_id]]
         self.predictions_dir.mkdir(parents=True, exist_ok=True)
         (self.predictions_dir / "detections.json").write_text(json.dumps(detections))
-        loss = self.trainer.callback_metrics.get("test/loss")
-        self.write_metrics_json({**metrics, **({"test/loss": loss} if loss is not None else {})})
+        self.write_metrics_json({**metrics, **loss})
 
     # -- predict ----------------------------------------------------------------------------------
     def on_predict_epoch_start(self) -> None:
         self._predictions = []
 
-    def predict_step(self, batch, batch_idx: int) -> list[dict]:
-        images, infos = batch
+    def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
+        if "image" not in batch:
+            return []
+        images = batch["image"]
+        infos = [{"path": path, "orig_size": tuple(int(v) for v in size)}
+                 for path, size in zip(batch["path"], batch["orig_size"].tolist())]
         detections = self.to_original_pixels(self.detect(images), infos, tuple(images.shape[-2:]))
         rows = []
         for det, info in zip(detections, infos):
@@ -235,7 +244,7 @@ class DetectionTask(TaskModule):
         rows = self.all_gather_objects(self._predictions)
         if self.global_rank != 0:
             return
-        out = self.predictions_dir / "predict"
+        out = self.predict_dir
         out.mkdir(parents=True, exist_ok=True)
         for row in rows:
             stem = Path(row["image"]).stem
@@ -291,8 +300,7 @@ def main(args=None) -> None:
     from tasks.cli import SuiteCLI
 
     SuiteCLI(DetectionTask, CocoDataModule, task="detect", default_config="demo_ssdlite_mobilevitv2.yaml",
-             monitor="val/map", links={"num_classes": "num_classes", "category_ids": "category_ids",
-                                       "category_names": "category_names"}, args=args)
+             monitor="val/map", args=args)
 
 
 if __name__ == "__main__":

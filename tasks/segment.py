@@ -3,7 +3,7 @@
 A backbone's feature pyramid feeds a DeepLabv3 or PSPNet head; cross-entropy with
 the ignore label (plus the auxiliary head's loss, weight 0.4, when it is on).
 
-Scores follow DESIGN.md: one dataset-wide confusion matrix over every evaluated
+Scores: one dataset-wide confusion matrix over every evaluated
 pixel at the original resolution (ignore label excluded), per-class IoU
 ``TP / (TP + FP + FN)``, mIoU = mean over the classes whose union is non-empty
 (mmsegmentation / CVNets), pixel accuracy = trace / total. Evaluation feeds one
@@ -17,13 +17,15 @@ label encoding) and ``predictions/metrics.json``; `predict` writes
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torchmetrics import MeanMetric
+
+from datamodules.images import read_rgb_array
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from backbones import Backbone
@@ -90,6 +92,8 @@ class SegmentationTask(TaskModule):
         Remaining arguments: see :class:`tasks.base.TaskModule`.
     """
 
+    DATA_LINKS = {"class_names": "class_names"}
+
     def __init__(self, backbone: Backbone, class_names: list[str], head: HeadFactory | None = None,
                  ignore_index: int = IGNORE_INDEX, aux_weight: float = 0.4, class_weights: list[float] | None = None,
                  num_sample_images: int = 4, **kwargs):
@@ -109,9 +113,6 @@ class SegmentationTask(TaskModule):
         self.num_sample_images = num_sample_images
         self.val_metric = SegmentationMetric(num_classes, ignore_index)
         self.test_metric = SegmentationMetric(num_classes, ignore_index)
-        # mean over images of the per-image loss; a metric, so ranks with unequal shares sync exactly
-        self.val_loss = MeanMetric()
-        self.test_loss = MeanMetric()
         self._samples: list[dict] = []
 
     # -- model ----------------------------------------------------------------------------------------------
@@ -132,28 +133,25 @@ class SegmentationTask(TaskModule):
             loss = loss + self.aux_weight * self.pixel_loss(logits["aux"], target)
         return loss
 
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+    def training_loss(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self._loss(self(batch["image"]), batch["mask"])
         self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["image"]))
         return loss
 
     # -- evaluation (one image per step, scored at its original size) -------------------------------------------
-    def _evaluate(self, batch: dict, metric: SegmentationMetric, loss_metric: MeanMetric) -> torch.Tensor:
+    def _evaluate(self, batch: dict, stage: str, metric: SegmentationMetric) -> torch.Tensor:
         target = batch["mask"]
         logits = self(batch["image"], size=target.shape[-2:])["out"]
         preds = logits.argmax(1)
         metric.update(preds, target)
         if (target != self.ignore_index).any():  # an all-ignore image has no loss to average
-            loss_metric.update(self.pixel_loss(logits, target))
+            self.log_eval_loss(stage, self.pixel_loss(logits, target), weight=len(target))
         return preds
 
-    def _log_scores(self, stage: str, metric: SegmentationMetric, loss_metric: MeanMetric) -> dict[str, torch.Tensor]:
+    def _log_scores(self, stage: str, metric: SegmentationMetric) -> dict[str, torch.Tensor]:
         scores = metric.scores()  # compute() sums the matrix over ranks
-        loss = loss_metric.compute()
         metric.reset()
-        loss_metric.reset()
-        logged = {f"{stage}/miou": scores["miou"].float(), f"{stage}/pixel_acc": scores["pixel_acc"].float(),
-                  f"{stage}/loss": loss.float()}
+        logged = {f"{stage}/miou": scores["miou"].float(), f"{stage}/pixel_acc": scores["pixel_acc"].float()}
         for name, iou, present in zip(self.class_names, scores["iou"], scores["present"]):
             if present:
                 logged[f"{stage}/iou/{name}"] = iou.float()
@@ -161,25 +159,29 @@ class SegmentationTask(TaskModule):
         return logged
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        preds = self._evaluate(batch, self.val_metric, self.val_loss)
-        if len(self._samples) < self.num_sample_images and not self.trainer.sanity_checking:
+        if "image" not in batch:
+            return
+        preds = self._evaluate(batch, "val", self.val_metric)
+        if batch_idx in self._sample_batches and not self.trainer.sanity_checking:
             self._samples.append({"image": batch["image"][0], "pred": preds[0], "mask": batch["mask"][0]})
 
     def on_validation_epoch_start(self) -> None:
         self._samples = []
+        self._sample_batches = self.sample_batch_indices(self.num_sample_images)
 
     def on_validation_epoch_end(self) -> None:
-        self._log_scores("val", self.val_metric, self.val_loss)
+        self._log_scores("val", self.val_metric)
         self._log_overlays()
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
-        preds = self._evaluate(batch, self.test_metric, self.test_loss)
-        dataset = self.trainer.datamodule.test_set
-        stem = dataset.stem(int(batch["index"][0]))
+        if "image" not in batch:
+            return
+        preds = self._evaluate(batch, "test", self.test_metric)
+        stem = Path(batch["path"][0]).stem
         self._write_mask(preds[0], self.predictions_dir / "masks" / f"{stem}.png")
 
     def on_test_epoch_end(self) -> None:
-        self.write_metrics_json(self._log_scores("test", self.test_metric, self.test_loss))
+        self.write_metrics_json({**self._log_scores("test", self.test_metric), **self.eval_loss_value("test")})
 
     # -- outputs ---------------------------------------------------------------------------------------------
     def _write_mask(self, labels: torch.Tensor, path) -> np.ndarray:
@@ -190,17 +192,19 @@ class SegmentationTask(TaskModule):
 
     def predict_step(self, batch: dict, batch_idx: int) -> None:
         """Writes ``predictions/predict/masks/<stem>.png`` and ``overlays/<stem>.jpg`` (image blended with the classes' colours)."""
+        if "image" not in batch:
+            return
         datamodule = self.trainer.datamodule
-        dataset = datamodule.predict_set
-        index = int(batch["index"][0])
-        height, width = (int(v) for v in batch["size"][0])
-        preds = self(batch["image"], size=(height, width))["out"].argmax(1)
-        out_dir = self.predictions_dir / "predict"
-        labels = self._write_mask(preds[0], out_dir / "masks" / f"{dataset.stem(index)}.png")
-        image, _ = dataset.load(index)
-        overlay = (0.5 * image + 0.5 * datamodule.palette[labels]).round().astype(np.uint8)
-        (out_dir / "overlays").mkdir(parents=True, exist_ok=True)
-        Image.fromarray(overlay).save(out_dir / "overlays" / f"{dataset.stem(index)}.jpg", quality=90)
+        palette = datamodule.palette
+        logits = self(batch["image"])["out"]
+        for k, (path, (height, width)) in enumerate(zip(batch["path"], batch["orig_size"].tolist())):
+            pred = F.interpolate(logits[k:k + 1], size=(height, width), mode="bilinear", align_corners=False).argmax(1)
+            stem = Path(path).stem
+            labels = self._write_mask(pred[0], self.predict_dir / "masks" / f"{stem}.png")
+            image = read_rgb_array(path)
+            overlay = (0.5 * image + 0.5 * palette[labels]).round().astype(np.uint8)
+            (self.predict_dir / "overlays").mkdir(parents=True, exist_ok=True)
+            Image.fromarray(overlay).save(self.predict_dir / "overlays" / f"{stem}.jpg", quality=90)
 
     def _log_overlays(self) -> None:
         """Validation images with predicted and true masks as wandb mask overlays."""
@@ -228,7 +232,7 @@ def main(args=None) -> None:
     from tasks.cli import SuiteCLI
 
     SuiteCLI(SegmentationTask, SegmentationDataModule, task="segment", default_config="demo_deeplabv3_mobilevitv2.yaml",
-             monitor="val/miou", mode="max", links={"class_names": "class_names"}, args=args)
+             monitor="val/miou", mode="max", args=args)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,12 @@ label-smoothed cross-entropy; validation and test decode with beam search and
 score sacreBLEU (13a tokenization, detokenized hypotheses vs raw references) and
 chrF, corpus-level, over every sentence exactly once across ranks. `test` writes
 ``predictions/hypotheses.txt`` (one line per source line, in order) and
-``predictions/metrics.json``; `predict` translates ``--data.predict_file`` (a file
+``predictions/metrics.json``; `predict` translates ``--data.predict_path`` (a file
 or ``-`` for standard input) to ``--model.predict_output`` (a file or ``-``).
+
+The checkpoint carries the sentencepiece model the network was trained with, so `predict`
+needs nothing but the checkpoint and the text, and `validate`/`test` refuse data whose
+vocabulary is another one.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from backbones.transformer import TransformerEncoder
+from datamodules.tokenizer import Tokenizer
 from heads.decoding import Hypotheses, beam_search, greedy_search, max_output_lengths
 from heads.seq2seq import TransformerDecoder
 from tasks.base import TaskModule
@@ -65,6 +70,9 @@ class TranslationTask(TaskModule):
         Remaining arguments: see :class:`tasks.base.TaskModule`.
     """
 
+    DATA_LINKS = {"vocab_size": "vocab_size", "pad_id": "pad_id", "bos_id": "bos_id", "eos_id": "eos_id",
+                  "max_positions": "max_positions"}
+
     def __init__(self, vocab_size: int, pad_id: int = 0, bos_id: int = 2, eos_id: int = 3,
                  max_positions: int = 256, dim: int = 512, encoder_depth: int = 6, decoder_depth: int = 6,
                  num_heads: int = 8, ffn_dim: int = 2048, dropout: float = 0.1, attention_dropout: float = 0.0,
@@ -74,11 +82,6 @@ class TranslationTask(TaskModule):
                  beam_size: int = 4, length_penalty: float = 0.6, max_len_a: float = 1.2, max_len_b: int = 10,
                  num_sample_translations: int = 16, predict_output: str = "-", **kwargs):
         super().__init__(**kwargs)
-        # decoding and output settings stay out of the checkpoint's hyper-parameters: LightningCLI
-        # applies those over the command line when --ckpt_path is given, and these are meant to be
-        # chosen per run (`test --model.beam_size 8`, `predict --model.predict_output out.txt`)
-        self.save_hyperparameters(ignore=["optimizer", "scheduler", "beam_size", "length_penalty", "max_len_a",
-                                          "max_len_b", "num_sample_translations", "predict_output"])
         self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
         self.max_positions = max_positions
         self.encoder = TransformerEncoder(
@@ -94,9 +97,9 @@ class TranslationTask(TaskModule):
         self.max_len_a, self.max_len_b = max_len_a, max_len_b
         self.num_sample_translations = num_sample_translations
         self.predict_output = predict_output
-        self.eval_loss = MeanMetric()
         self.eval_nll = MeanMetric()
         self._rows: list[tuple[int, str, str, str]] = []
+        self._tokenizer: Tokenizer | None = None
 
     # -- model -----------------------------------------------------------------------------------
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
@@ -117,15 +120,49 @@ class TranslationTask(TaskModule):
         return beam_search(self.decoder, memory, padding, max_len, beam_size=beam_size, alpha=self.length_penalty,
                            **ids)
 
+    # -- the vocabulary, carried by the checkpoint ---------------------------------------------------
     @property
-    def tokenizer(self):
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if datamodule is None or not hasattr(datamodule, "tokenizer"):
-            raise RuntimeError("TranslationTask detokenizes with the datamodule's tokenizer; run it with one")
-        return datamodule.tokenizer
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise RuntimeError("TranslationTask has no tokenizer: train it on data, or load it from a checkpoint")
+        return self._tokenizer
+
+    def setup(self, stage: str) -> None:
+        # a checkpoint restored after this replaces it with the one the network was trained with
+        if stage in ("fit", "validate", "test") and self._tokenizer is None:
+            self._tokenizer = self.trainer.datamodule.tokenizer
+
+    def on_predict_start(self) -> None:
+        if self._tokenizer is None:  # no checkpoint: a fresh model predicts with the data's vocabulary
+            self._tokenizer = self.trainer.datamodule.tokenizer
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self._tokenizer is not None:
+            checkpoint["tokenizer"] = torch.frombuffer(bytearray(self._tokenizer.serialized()), dtype=torch.uint8)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        if "tokenizer" in checkpoint:
+            self._tokenizer = Tokenizer.from_serialized(checkpoint["tokenizer"].numpy().tobytes())
+
+    def data_identity_mismatches(self, datamodule) -> list[str]:
+        mismatches = super().data_identity_mismatches(datamodule)
+        theirs = datamodule.vocabulary_fingerprint
+        if self._tokenizer is not None and self._tokenizer.fingerprint != theirs:
+            mismatches.append(f"sentencepiece vocabulary: model {self._tokenizer.fingerprint} vs data {theirs}")
+        return mismatches
+
+    def encode_sources(self, texts: list[str]) -> torch.Tensor:
+        """Raw source lines -> (B, S) padded ids ending in eos, cut to ``max_positions - 1`` tokens."""
+        ids = [seq[: self.max_positions - 1] + [self.eos_id] for seq in self.tokenizer.encode(texts)]
+        src = torch.full((len(ids), max(len(seq) for seq in ids)), self.pad_id, dtype=torch.long)
+        for row, seq in enumerate(ids):
+            src[row, : len(seq)] = torch.tensor(seq)
+        return src.to(self.device)
 
     # -- training --------------------------------------------------------------------------------
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+    def training_loss(self, batch: dict, batch_idx: int) -> torch.Tensor:
         logits = self(batch["src"], batch["tgt_in"])
         loss_sum, nll_sum, n = label_smoothed_nll(logits, batch["tgt_out"], self.label_smoothing, self.pad_id)
         n = max(n, 1)
@@ -133,14 +170,14 @@ class TranslationTask(TaskModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=n)
         self.log("train/ppl", math.exp(min(nll_sum.item() / n, 50.0)), batch_size=n)
         self.log("train/target_tokens", float(n), reduce_fx="sum", on_step=False, on_epoch=True)
-        return self.guard_loss(loss, batch_idx)
+        return loss
 
     # -- evaluation ------------------------------------------------------------------------------
-    def _eval_step(self, batch: dict) -> None:
+    def _eval_step(self, batch: dict, stage: str) -> None:
         logits = self(batch["src"], batch["tgt_in"])
         loss_sum, nll_sum, n = label_smoothed_nll(logits, batch["tgt_out"], self.label_smoothing, self.pad_id)
         if n:
-            self.eval_loss.update(loss_sum / n, weight=n)
+            self.eval_losses[stage].update(loss_sum / n, weight=n)
             self.eval_nll.update(nll_sum / n, weight=n)
         hyps = self.tokenizer.decode(self.translate(batch["src"]).tokens.tolist())
         self._rows += zip(batch["index"].tolist(), batch["src_text"], batch["tgt_text"], hyps)
@@ -151,11 +188,11 @@ class TranslationTask(TaskModule):
         self._rows = []
         hyps = [r[3] for r in rows]
         refs = [r[2] for r in rows]
-        loss, nll = self.eval_loss.compute(), self.eval_nll.compute()
-        self.eval_loss.reset()
+        loss, nll = self.eval_loss_value(stage), self.eval_nll.compute()
+        self.eval_losses[stage].reset()
         self.eval_nll.reset()
         metrics = {
-            f"{stage}/loss": float(loss),
+            **loss,
             f"{stage}/ppl": math.exp(min(float(nll), 50.0)),
             f"{stage}/bleu": sacrebleu.corpus_bleu(hyps, [refs], tokenize="13a").score if rows else 0.0,
             f"{stage}/chrf": sacrebleu.corpus_chrf(hyps, [refs]).score if rows else 0.0,
@@ -168,7 +205,7 @@ class TranslationTask(TaskModule):
         self._rows = []
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self._eval_step(batch)
+        self._eval_step(batch, "val")
 
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val")
@@ -177,7 +214,7 @@ class TranslationTask(TaskModule):
         self._rows = []
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
-        self._eval_step(batch)
+        self._eval_step(batch, "test")
 
     def on_test_epoch_end(self) -> None:
         metrics, rows = self._eval_epoch_end("test")
@@ -200,7 +237,7 @@ class TranslationTask(TaskModule):
         self._rows = []
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[str]:
-        hyps = self.tokenizer.decode(self.translate(batch["src"]).tokens.tolist())
+        hyps = self.tokenizer.decode(self.translate(self.encode_sources(batch["src_text"])).tokens.tolist())
         self._rows += zip(batch["index"].tolist(), hyps)
         return hyps
 
@@ -216,6 +253,10 @@ class TranslationTask(TaskModule):
             stream.flush()
         else:
             write_lines(Path(self.predict_output), lines)
+
+    @property
+    def predict_destination(self) -> str:
+        return "standard output" if self.predict_output == "-" else str(Path(self.predict_output).resolve())
 
 
 def write_lines(path: Path, lines: list[str]) -> None:
@@ -259,10 +300,7 @@ def main(args=None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     with _stdout_for_translations("predict" in argv and "--print_config" not in argv):
         SuiteCLI(TranslationTask, TranslationDataModule, task="translate", default_config="demo_transformer.yaml",
-                 monitor="val/bleu", mode="max",
-                 links={"vocab_size": "vocab_size", "pad_id": "pad_id", "bos_id": "bos_id", "eos_id": "eos_id",
-                        "max_positions": "max_positions"},
-                 args=args)
+                 monitor="val/bleu", mode="max", args=args)
 
 
 if __name__ == "__main__":

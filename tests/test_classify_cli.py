@@ -24,7 +24,7 @@ def test_fit_then_test_writes_checkpoints_wandb_run_predictions_and_metrics(run_
     # wandb wrote an offline run under the run directory, holding the resolved config
     run_dirs = list((root / "wandb").glob("offline-run-*"))
     assert len(run_dirs) == 1, list(root.rglob("*"))[:20]
-    config = yaml.safe_load((run_dirs[0] / "files" / "config.yaml").read_text())
+    config = yaml.safe_load((run_dirs[0] / "files" / "suite_config.yaml").read_text())
     assert config["model"]["backbone"]["class_path"].endswith("MobileViTv2")
 
     last = next(p for p in ckpts if p.name == "last.ckpt")

@@ -199,7 +199,68 @@ def test_test_split_prefers_labelled_test2017_then_val(coco_root):
 def test_loader_collates_variable_box_counts(coco_root):
     dm = CocoDataModule(root=str(coco_root), image_size=64, batch_size=4, num_workers=0, mean=MEAN, std=STD)
     dm.setup("fit")
-    images, targets = next(iter(dm.train_dataloader()))
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"image", "targets", "skipped"} and batch["skipped"] == 0
+    images, targets = batch["image"], batch["targets"]
     assert images.shape == (4, 3, 64, 64) and len(targets) == 4
     assert all(t["boxes"].shape[1] == 4 and len(t["boxes"]) == len(t["labels"]) for t in targets)
     assert all((t["boxes"] >= 0).all() and (t["boxes"] <= 64).all() for t in targets)
+    assert all({"boxes", "labels", "image_id", "path", "orig_size", "gt_boxes", "gt_labels", "gt_iscrowd",
+                "gt_area"} <= set(t) for t in targets)
+    assert all(t["path"] == str(dm.train_set.image_path(t["image_id"])) for t in targets)
+
+
+def test_eval_loader_yields_every_image_once_with_its_path(coco_root):
+    dm = CocoDataModule(root=str(coco_root), image_size=64, batch_size=3, num_workers=0, mean=MEAN, std=STD)
+    dm.setup("validate")
+    batches = list(dm.val_dataloader())
+    assert [len(b["targets"]) for b in batches] == [3, 3, 2] and all(b["skipped"] == 0 for b in batches)
+    paths = [t["path"] for b in batches for t in b["targets"]]
+    assert paths == [str(coco_root / "val2017" / f"{i:012d}.jpg") for i in dm.val_set.image_ids]
+    assert all(t["orig_size"] == (96, 96) for b in batches for t in b["targets"])
+
+
+def test_predict_batches_carry_paths_and_original_sizes(tmp_path):
+    from PIL import Image
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(folder / "b.jpg")
+    Image.new("RGB", (20, 50), (10, 200, 10)).save(folder / "a.png")
+    (folder / "._a.png").write_bytes(b"\0\5\7")  # macOS resource fork: hidden, never data
+    (folder / "notes.txt").write_text("not an image")
+    dm = CocoDataModule(root=str(tmp_path / "nowhere"), predict_path=str(folder), image_size=32, batch_size=4,
+                        num_workers=0, mean=MEAN, std=STD)
+    dm.setup("predict")
+    batch = next(iter(dm.predict_dataloader()))
+    assert set(batch) == {"image", "path", "orig_size", "skipped"} and batch["skipped"] == 0
+    assert batch["image"].shape == (2, 3, 32, 32) and batch["image"].dtype == torch.float32
+    assert batch["path"] == [str(folder / "a.png"), str(folder / "b.jpg")]
+    assert batch["orig_size"].dtype == torch.long and batch["orig_size"].tolist() == [[50, 20], [30, 40]]
+    # one file works as well
+    dm = CocoDataModule(predict_path=str(folder / "b.jpg"), image_size=32, num_workers=0, mean=MEAN, std=STD)
+    dm.setup("predict")
+    assert next(iter(dm.predict_dataloader()))["path"] == [str(folder / "b.jpg")]
+
+
+def test_predict_path_does_not_touch_root(tmp_path, monkeypatch):
+    """Predicting from a checkpoint needs only ``--data.predict_path``: no demo build, no annotation file."""
+    from PIL import Image
+
+    import datamodules.coco as coco
+
+    def no_demo(*args, **kwargs):
+        raise AssertionError("predict with predict_path built or read the demo dataset")
+
+    def no_annotations(*args, **kwargs):
+        raise AssertionError("predict with predict_path read an annotation file")
+
+    monkeypatch.setattr(coco, "demo_root", no_demo)
+    monkeypatch.setattr(coco, "read_annotation_json", no_annotations)
+    Image.new("RGB", (24, 24)).save(tmp_path / "x.jpg")
+    dm = CocoDataModule(predict_path=str(tmp_path), image_size=32, num_workers=0)
+    dm.setup("predict")
+    assert next(iter(dm.predict_dataloader()))["image"].shape == (1, 3, 32, 32)
+    with pytest.raises(FileNotFoundError, match="no images"):
+        (tmp_path / "empty").mkdir()
+        CocoDataModule(predict_path=str(tmp_path / "empty")).setup("predict")

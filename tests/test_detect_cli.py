@@ -15,7 +15,7 @@ from tests.conftest import run_task
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--data.image_size", "64", "--data.batch_size", "4", "--data.eval_batch_size", "4", "--data.num_workers", "0",
-        "--model.proj_channels", "[16, 16, 16, 8]", "--trainer.accelerator", "cpu"]
+        "--model.head.init_args.proj_channels", "[16, 16, 16, 8]", "--trainer.accelerator", "cpu"]
 
 
 def run_cli(*args: str, cache: Path) -> subprocess.CompletedProcess:

@@ -105,6 +105,6 @@ def test_sync_batchnorm_on_cpu_is_refused_clearly():
 
     with pytest.raises(ValueError, match="sync_batchnorm=true .*needs CUDA"):
         SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
-                 monitor="val/top1", links={"classes": "class_names"},
+                 monitor="val/top1",
                  args=["--config", str(REPO / "configs/classify/demo_mobilevitv2.yaml"), "--trainer.sync_batchnorm", "true", "--trainer.accelerator", "cpu",
                        "--trainer.logger", "false"], run=False)

@@ -89,7 +89,7 @@ def test_predict_on_a_folder(fitted, tmp_path):
         Image.open(root / "JPEGImages" / f"val_0000{i}.jpg").resize(size).save(folder / f"photo{i}.png")
     ckpt = next(run_dir.rglob("last.ckpt"))
     out_dir = tmp_path / "out"
-    run_cli("predict", "--data.root", str(root), *TINY, "--data.predict_dir", str(folder), "--ckpt_path", str(ckpt),
+    run_cli("predict", "--data.root", str(root), *TINY, "--data.predict_path", str(folder), "--ckpt_path", str(ckpt),
             "--trainer.default_root_dir", str(out_dir), "--trainer.logger", "false", cache=cache)
     for i, size in enumerate([(50, 70), (64, 64)]):
         with Image.open(out_dir / "predictions" / "predict" / "masks" / f"photo{i}.png") as mask:

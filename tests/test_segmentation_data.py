@@ -101,10 +101,50 @@ def test_demo_splits_and_loaders(demo):
     dm = SegmentationDataModule(root=str(demo), crop_size=64, eval_short_side=None, batch_size=2, num_workers=0)
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"image", "mask", "skipped"} and batch["skipped"] == 0
     assert batch["image"].shape == (2, 3, 64, 64) and batch["mask"].shape == (2, 64, 64)
     assert batch["mask"].dtype == torch.int64
     dm.setup("test")  # the demo's test list has masks, so test scores it (VOC's own test has none)
     assert [dm.test_set.stem(i) for i in range(len(dm.test_set))] == ["test_00000", "test_00001", "test_00002"]
+    batch = next(iter(dm.test_dataloader()))
+    assert set(batch) == {"image", "mask", "index", "path", "skipped"}
+    assert batch["image"].shape == (1, 3, 128, 128) and batch["mask"].shape == (1, 128, 128)
+    assert batch["path"] == [str(demo / "JPEGImages" / "test_00000.jpg")] and batch["index"].tolist() == [0]
+    dm.setup("predict")  # no predict_path: the test split's images, without masks
+    batch = next(iter(dm.predict_dataloader()))
+    assert set(batch) == {"image", "orig_size", "index", "path", "skipped"}
+    assert batch["orig_size"].tolist() == [[128, 128]] and batch["orig_size"].dtype == torch.int64
+    assert batch["path"] == [str(demo / "JPEGImages" / "test_00000.jpg")]
+
+
+def test_predict_path_needs_no_root(tmp_path, monkeypatch):
+    """A user predicting from a checkpoint gives only the images: no dataset folder is read or built."""
+    import datamodules.segmentation as segmentation
+
+    def no_demo(*args, **kwargs):
+        raise AssertionError("predict with predict_path must not build the demo dataset")
+
+    monkeypatch.setattr(segmentation, "demo_root", no_demo)
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    Image.fromarray(np.full((30, 20, 3), 10, np.uint8)).save(folder / "p1.jpg")
+    Image.fromarray(np.full((16, 24, 3), 10, np.uint8)).save(folder / "p0.png")
+    Image.fromarray(np.full((16, 24, 3), 10, np.uint8)).save(folder / "._p0.png")  # macOS droppings
+    dm = SegmentationDataModule(predict_path=str(folder), eval_short_side=8, num_workers=0)
+    dm.setup("predict")
+    batches = list(dm.predict_dataloader())
+    assert [b["path"] for b in batches] == [[str(folder / "p0.png")], [str(folder / "p1.jpg")]]
+    assert [b["orig_size"].tolist() for b in batches] == [[[16, 24]], [[30, 20]]]
+    assert batches[0]["image"].shape == (1, 3, 8, 12)
+    # what predict writes needs only the dataset kind
+    assert np.asarray(dm.encode_prediction(np.array([[0, 3]]))).tolist() == [[0, 3]]
+    assert tuple(dm.palette[3]) == tuple(voc_palette()[3])
+    ade = SegmentationDataModule(root=str(tmp_path / "nowhere"), dataset="ade20k", predict_path=str(folder / "p1.jpg"),
+                                 num_workers=0)
+    ade.setup("predict")
+    assert len(ade.predict_set) == 1
+    assert np.asarray(ade.encode_prediction(np.array([[0, 149]]))).tolist() == [[1, 150]]
+    assert tuple(ade.palette[0]) == tuple(voc_palette()[1])  # label 0 is stored as 1
 
 
 # -- augmentation ------------------------------------------------------------------------------------------------

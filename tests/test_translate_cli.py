@@ -49,7 +49,7 @@ def test_fit_checkpoints_on_bleu_and_logs_the_linked_vocabulary(fitted):
     cwd, root, last, proc = fitted
     assert any(p.name.startswith("best-") for p in root.rglob("*.ckpt"))
     run_dir = next((root / "wandb").glob("offline-run-*"))
-    config = yaml.safe_load((run_dir / "files" / "config.yaml").read_text())
+    config = yaml.safe_load((run_dir / "files" / "suite_config.yaml").read_text())
     assert config["checkpoint"]["monitor"] == "val/bleu"
     hparams = torch.load(last, map_location="cpu", weights_only=False)["hyper_parameters"]
     assert 0 < hparams["vocab_size"] <= 500  # linked from the sentencepiece model
@@ -73,14 +73,14 @@ def test_test_writes_hypotheses_in_source_order_and_the_scores_they_get(fitted, 
 def test_predict_translates_stdin_to_stdout_and_a_file_to_a_file(fitted, tmp_path):
     cwd, root, last, _ = fitted
     lines = ["Germany", "", "7 kilometers per hour"]
-    proc = run_in(cwd, "predict", *TINY, "--ckpt_path", str(last), "--data.predict_file", "-",
+    proc = run_in(cwd, "predict", *TINY, "--ckpt_path", str(last), "--data.predict_path", "-",
                   stdin="".join(line + "\n" for line in lines))
     # standard output holds the translations only (progress, wandb and logs go to stderr)
     assert len(proc.stdout.split("\n")) == len(lines) + 1 and proc.stdout.endswith("\n"), proc.stdout
     src = tmp_path / "in.en"
     src.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     out = tmp_path / "out" / "hyps.de"
-    run_in(cwd, "predict", *TINY, "--ckpt_path", str(last), "--data.predict_file", str(src),
+    run_in(cwd, "predict", *TINY, "--ckpt_path", str(last), "--data.predict_path", str(src),
            "--model.predict_output", str(out))
     assert out.read_text(encoding="utf-8").split("\n")[:-1] == proc.stdout.splitlines()
 

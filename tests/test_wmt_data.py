@@ -188,3 +188,126 @@ def test_vocabulary_comes_from_the_data_right_after_construction(tmp_path, demo)
     dm = TranslationDataModule(root=str(small_root(tmp_path, demo)), vocab_size=300)
     assert dm.vocab_size <= 300 and (dm.pad_id, dm.bos_id, dm.eos_id) == (PAD_ID, BOS_ID, EOS_ID)
     assert (dm.root / "spm.en-de.unigram300.model").is_file()
+
+
+def test_the_vocabulary_fingerprint_is_the_tokenizers(demo):
+    from datamodules.tokenizer import Tokenizer
+
+    assert demo.vocabulary_fingerprint == demo.tokenizer.fingerprint
+    assert Tokenizer.from_serialized(demo.tokenizer.serialized()).fingerprint == demo.vocabulary_fingerprint
+
+
+# -- refusing bad layouts with the exact file names -----------------------------------------------
+def test_missing_files_name_the_expected_file_names(tmp_path, demo):
+    root = small_root(tmp_path, demo)
+    (root / "test.de").unlink()
+    dm = TranslationDataModule(root=str(root), vocab_size=300)
+    with pytest.raises(FileNotFoundError) as err:
+        dm.setup("test")
+    msg = str(err.value)
+    assert f"{root / 'test.en'} and {root / 'test.de'}" in msg
+    assert "files named <split>.<src_lang>/<split>.<tgt_lang>" in msg and msg.startswith("test.de not found")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=rf"train\.en and train\.de not found in {empty}: .*"
+                                                rf"{empty / 'train.en'} and {empty / 'train.de'}"):
+        TranslationDataModule(root=str(empty)).vocab_size
+
+
+@pytest.mark.parametrize("split", ["valid", "test"])
+def test_empty_evaluation_files_name_the_files(tmp_path, demo, split):
+    root = small_root(tmp_path, demo)
+    write_pair(root, split, [], [])
+    dm = TranslationDataModule(root=str(root), vocab_size=300)
+    stage = "validate" if split == "valid" else "test"
+    with pytest.raises(ValueError, match=rf"{split}\.en and .*{split}\.de are empty: the {split} split has no "
+                                         "sentences"):
+        dm.setup(stage)
+    if split == "valid":  # fit reads the validation split too
+        with pytest.raises(ValueError, match="valid split has no sentences"):
+            TranslationDataModule(root=str(root), vocab_size=300).setup("fit")
+
+
+def test_an_empty_training_file_names_the_file(tmp_path, demo):
+    root = small_root(tmp_path, demo)
+    (root / "train.en").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"train\.en is empty: it has no sentences"):
+        TranslationDataModule(root=str(root), vocab_size=300).vocab_size
+
+
+def test_a_training_split_with_no_usable_pair_is_refused(tmp_path, demo):
+    root = small_root(tmp_path, demo)
+    dm = TranslationDataModule(root=str(root), vocab_size=300)
+    dm.tokenizer  # trained on the real text, then the training pairs become blank
+    write_pair(root, "train", ["", " "], ["eins", "zwei"])
+    with pytest.raises(ValueError, match=r"none of the 2 pairs can be trained on \(2 empty"):
+        dm.setup("fit")
+
+
+# -- predict: raw text from predict_path alone ---------------------------------------------------
+@pytest.fixture
+def no_data(monkeypatch):
+    """Fail the test if anything builds the demo corpus or loads/trains a tokenizer."""
+    import datamodules.wmt as wmt
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("predict touched the dataset or the tokenizer")
+
+    monkeypatch.setattr(wmt, "demo_translation_root", forbidden)
+    monkeypatch.setattr(wmt, "joint_tokenizer", forbidden)
+
+
+def test_predict_batches_are_raw_text_in_file_order_without_any_dataset(tmp_path, no_data):
+    lines = [f"sentence {i}" for i in range(7)] + ["", "Vereinigte Arabische Emirate"]
+    src = tmp_path / "in.en"
+    src.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    for root in (None, str(tmp_path / "does-not-exist")):
+        dm = TranslationDataModule(root=root, predict_path=str(src), predict_batch_size=4)
+        assert dm.vocab_size is None and dm.vocabulary_fingerprint is None
+        dm.setup("predict")
+        batches = list(dm.predict_dataloader())
+        assert [len(b["src_text"]) for b in batches] == [4, 4, 1]
+        for b in batches:
+            assert set(b) == {"index", "src_text"}
+            assert b["index"].dtype == torch.long and b["index"].shape == (len(b["src_text"]),)
+        assert [i for b in batches for i in b["index"].tolist()] == list(range(len(lines)))
+        assert [s for b in batches for s in b["src_text"]] == lines
+        assert dm._root == (None if root is None else Path(root))
+    with pytest.raises(RuntimeError, match="checkpoint"):
+        dm.tokenizer
+    with pytest.raises(ValueError, match="predict_path is for predict only"):
+        dm.setup("fit")
+
+
+def test_predict_reads_standard_input_once(monkeypatch, no_data):
+    import io
+    import sys
+
+    stdin = io.TextIOWrapper(io.BytesIO("Germany\r\n\n7 kilometers per hour\n".encode()), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    dm = TranslationDataModule(predict_path="-", predict_batch_size=2)
+    first = [s for b in dm.predict_dataloader() for s in b["src_text"]]
+    assert first == ["Germany", "", "7 kilometers per hour"]
+    assert [s for b in dm.predict_dataloader() for s in b["src_text"]] == first
+
+
+def test_predict_refuses_missing_empty_and_non_utf8_input(tmp_path, monkeypatch, no_data):
+    import io
+    import sys
+
+    missing = tmp_path / "nope.en"
+    with pytest.raises(FileNotFoundError, match=f"predict_path {missing} not found"):
+        TranslationDataModule(predict_path=str(missing)).predict_dataloader()
+    bad = tmp_path / "bad.en"
+    bad.write_bytes(b"eins\nzwei\ndr\xe9i\n")
+    with pytest.raises(ValueError, match=r"bad\.en: line 3 is not valid UTF-8"):
+        TranslationDataModule(predict_path=str(bad)).predict_dataloader()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ok\n\xff\n")))
+    with pytest.raises(ValueError, match="<standard input>: line 2 is not valid UTF-8"):
+        TranslationDataModule(predict_path="-").predict_dataloader()
+    empty = tmp_path / "empty.en"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.en is empty: predict has no sentences"):
+        TranslationDataModule(predict_path=str(empty)).predict_dataloader()
+    with pytest.raises(ValueError, match="predict needs --data.predict_path"):
+        TranslationDataModule(root=str(tmp_path)).predict_dataloader()
