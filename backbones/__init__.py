@@ -1,7 +1,9 @@
 """Image and sequence encoders shared by every task.
 
 Build by name with :func:`create_backbone` or by class (``backbones.MobileViTv2``)
-in YAML. Every image backbone follows the :class:`Backbone` feature contract.
+in YAML. Every image backbone follows the :class:`Backbone` feature contract. The
+blocks they are built from (attention zoo, conv-norm-activation, transformer
+block) live in :mod:`layers`, which the heads share.
 """
 from backbones.base import Backbone
 from backbones.registry import create_backbone, get_backbone_class, list_backbones, register_backbone
@@ -16,7 +18,7 @@ from backbones.vit import ViT  # noqa: E402
 
 __all__ += ["ConvMixer", "MlpMixer", "SimpleFeaturePyramid", "ViT"]
 
-# MobileViT v1/v2 (+ the attention zoo they build on, and checkpoint import)
+# MobileViT v1/v2 (+ checkpoint import)
 from backbones.mobilevit import MobileViT  # noqa: E402
 from backbones.mobilevitv2 import MobileViTv2  # noqa: E402
 from backbones.weights import convert_checkpoint, load_pretrained  # noqa: E402

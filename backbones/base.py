@@ -39,10 +39,6 @@ class Backbone(nn.Module):
 
         load_pretrained(self, path)
 
-    @property
-    def strides(self) -> list[int]:
-        return sorted(self.feature_channels)
-
     def check_input(self, x: torch.Tensor) -> None:
         """Fail with the expected shape instead of a cryptic conv error deep inside."""
         if x.ndim != 4 or x.shape[1] != self.in_chans:

@@ -24,6 +24,7 @@ import torch.nn as nn
 from backbones.pyramid import SingleScaleBackbone
 from backbones.registry import register_backbone
 from backbones.weights import StateDict, register_converter, rename_keys
+from layers.conv import activation_layer
 
 #: ``ConvMixer(**PRESETS[name])`` builds the paper's models
 PRESETS: dict[str, dict] = {
@@ -31,16 +32,6 @@ PRESETS: dict[str, dict] = {
     "768/32": dict(dim=768, depth=32, kernel_size=7, patch_size=7, act="relu"),
     "1024/20": dict(dim=1024, depth=20, kernel_size=9, patch_size=14),
 }
-
-_ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
-
-
-def _activation(name: str) -> type[nn.Module]:
-    try:
-        return _ACTIVATIONS[name]
-    except KeyError:
-        raise ValueError(f"unknown activation {name!r}; valid names: {', '.join(_ACTIVATIONS)}") from None
-
 
 class ConvMixerBlock(nn.Module):
     """(B, dim, H, W) -> (B, dim, H, W): x + BN(act(depthwise(x))), then BN(act(pointwise(.)))."""
@@ -84,7 +75,7 @@ class ConvMixer(SingleScaleBackbone):
         pretrained: str | None = None,
     ):
         super().__init__()
-        act_layer = _activation(act)
+        act_layer = activation_layer(act)
         self.in_chans = in_chans
         self.num_features = dim
         self.patch_size = patch_size

@@ -14,7 +14,8 @@ Sizes (paper Table 1; parameters with a 1000-class head at 224 px, patch 16):
 small (S/16) 512 wide, 8 blocks, 18.5M; base (B/16) 768 wide, 12 blocks, 59.9M;
 large (L/16) 1024 wide, 24 blocks, 208.2M.
 
-The patch embedding is the ViT's; the MLPs are the transformers' feed-forward.
+The patch embedding is the ViT's; the MLPs are the transformers' feed-forward
+(:class:`layers.feedforward.FeedForward`).
 """
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ import torch
 import torch.nn as nn
 from torchvision.ops import StochasticDepth
 
-from backbones.layers import Mlp
 from backbones.pyramid import SingleScaleBackbone
 from backbones.registry import register_backbone
 from backbones.vit import PatchEmbed, patch_grid
 from backbones.weights import StateDict, register_converter, rename_keys
+from layers.feedforward import FeedForward
 
 #: size -> (embed_dim, depth)
 MIXER_SIZES: dict[str, tuple[int, int]] = {"small": (512, 8), "base": (768, 12), "large": (1024, 24)}
@@ -49,9 +50,9 @@ class MixerBlock(nn.Module):
         super().__init__()
         tokens_hidden, channels_hidden = int(mlp_ratio[0] * dim), int(mlp_ratio[1] * dim)
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp_tokens = Mlp(num_tokens, tokens_hidden, nn.GELU, dropout)
+        self.mlp_tokens = FeedForward(num_tokens, tokens_hidden, nn.GELU, dropout)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp_channels = Mlp(dim, channels_hidden, nn.GELU, dropout)
+        self.mlp_channels = FeedForward(dim, channels_hidden, nn.GELU, dropout)
         self.drop_path = StochasticDepth(drop_path, mode="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

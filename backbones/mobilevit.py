@@ -23,15 +23,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from backbones.layers import (
-    ConvNormAct,
-    InvertedResidual,
-    StagedBackbone,
-    TransformerLayer,
-    dilated_stage_plan,
-    resize_to_multiple,
-)
+from backbones.mobilevit_common import Stage, StagedBackbone, register_mobilevit_converters, resize_to_multiple
 from backbones.registry import register_backbone
+from layers.conv import ConvNormAct
+from layers.transformer import TransformerBlock
 
 # size -> (stage channels, transformer widths of stages 3-5, MV2 expansion, final expansion channels)
 SIZES = {
@@ -39,9 +34,9 @@ SIZES = {
     "xs": ((32, 48, 64, 80, 96), (96, 120, 144), 4.0, 384),
     "s": ((32, 64, 96, 128, 160), (144, 192, 240), 4.0, 640),
 }
-DEPTHS = (2, 4, 3)  # transformer layers in stages 3, 4, 5
 STAGE_STRIDES = (1, 2, 2, 2, 2)
 STAGE_MV2_BLOCKS = (1, 3, 1, 1, 1)
+STAGE_DEPTHS = (0, 0, 2, 4, 3)  # transformer layers per stage
 
 
 class MobileViTBlock(nn.Module):
@@ -68,7 +63,7 @@ class MobileViTBlock(nn.Module):
         self.to_tokens = nn.Linear(channels, dim, bias=False)
         self.transformer = nn.Sequential(
             *[
-                TransformerLayer(
+                TransformerBlock(
                     dim,
                     int(dim * mlp_ratio),
                     attention,
@@ -113,7 +108,7 @@ class MobileViT(StagedBackbone):
     instead of downsampling, the dict then stops at ``output_stride`` (deepest map).
     ``forward_pooled(x)``: the 1x1 expansion conv on the deepest map, globally
     averaged: (B, num_features), the classifier's input as in the reference.
-    ``attention``: any variant of ``backbones.attention`` (paper: "mha", 4 heads).
+    ``attention``: any variant of ``layers.attention`` (paper: "mha", 4 heads).
     """
 
     def __init__(
@@ -136,38 +131,20 @@ class MobileViT(StagedBackbone):
         self.in_chans = in_chans
         self.size = size
         self.stem = ConvNormAct(in_chans, 16, 3, stride=2)
-        rates = torch.linspace(0, drop_path_rate, sum(DEPTHS)).tolist()
-        plan = dilated_stage_plan(list(STAGE_STRIDES), output_stride)
-        self.stage_strides = [total for *_, total in plan]
-        self.feature_channels: dict[int, int] = {}
-        self.stages = nn.ModuleList()
-        in_chs = 16
-        for i, (out_chs, n_mv2, (stride, first_dilation, dilation, total)) in enumerate(
-            zip(channels, STAGE_MV2_BLOCKS, plan)
-        ):
-            blocks: list[nn.Module] = []
-            for j in range(n_mv2):
-                block_stride, block_dilation = (stride, first_dilation) if j == 0 else (1, dilation)
-                blocks.append(InvertedResidual(in_chs, out_chs, block_stride, expand_ratio, block_dilation))
-                in_chs = out_chs
-            if i >= 2:
-                depth = DEPTHS[i - 2]
-                blocks.append(
-                    MobileViTBlock(
-                        out_chs, dims[i - 2], depth, num_heads, 2, 2.0, dilation, attention, attention_kwargs,
-                        dropout, attn_dropout, rates[:depth],
-                    )
-                )
-                rates = rates[depth:]
-            self.stages.append(nn.Sequential(*blocks))
-            self.feature_channels[total] = out_chs
+        stages = [Stage(*spec) for spec in zip(channels, STAGE_MV2_BLOCKS, STAGE_STRIDES, STAGE_DEPTHS, (0, 0, *dims))]
+        in_chs = self._build_stages(
+            16, stages, expand_ratio, output_stride, drop_path_rate, MobileViTBlock, attention=attention,
+            num_heads=num_heads, attention_kwargs=attention_kwargs, dropout=dropout, attn_dropout=attn_dropout,
+        )
         self.final_conv = ConvNormAct(in_chs, num_features, 1)
         self.num_features = num_features
 
         if pretrained:
             self.load_pretrained(pretrained)
 
-
     def forward_pooled(self, x: torch.Tensor) -> torch.Tensor:
         features = self(x)
         return self.final_conv(features[max(features)]).mean(dim=(2, 3))
+
+
+register_mobilevit_converters("mobilevit")

@@ -32,20 +32,19 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from backbones.layers import (
-    ChannelsLastGroupNorm,
-    ConvNormAct,
-    InvertedResidual,
+from backbones.mobilevit_common import (
+    Stage,
     StagedBackbone,
-    dilated_stage_plan,
-    TransformerLayer,
     make_divisible,
+    register_mobilevit_converters,
     resize_to_multiple,
 )
 from backbones.registry import register_backbone
+from layers.conv import ConvNormAct
+from layers.transformer import ChannelsLastGroupNorm, TransformerBlock
 
-# per stage: (out channels, attention dim or None for a pure MV2 stage, transformer depth, MV2 blocks, stride)
-STAGES_V2 = ((64, None, 0, 1, 1), (128, None, 0, 2, 2), (256, 128, 2, 1, 2), (384, 192, 4, 1, 2), (512, 256, 3, 1, 2))
+# per stage at width 1: (out channels, MV2 blocks, stride, transformer depth, attention dim; 0 for pure MV2 stages)
+STAGES_V2 = ((64, 1, 1, 0, 0), (128, 2, 2, 0, 0), (256, 1, 2, 2, 128), (384, 1, 2, 4, 192), (512, 1, 2, 3, 256))
 
 
 class MobileViTv2Block(nn.Module):
@@ -77,7 +76,7 @@ class MobileViTv2Block(nn.Module):
         self.to_tokens = nn.Linear(channels, attn_dim, bias=False)
         self.transformer = nn.Sequential(
             *[
-                TransformerLayer(
+                TransformerBlock(
                     attn_dim,
                     int(attn_dim * mlp_ratio) // 16 * 16,  # CVNets rounds the FFN width down to 16
                     attention,
@@ -93,7 +92,7 @@ class MobileViTv2Block(nn.Module):
             ]
         )
         self.norm = ChannelsLastGroupNorm(1, attn_dim)
-        self.proj = ConvNormAct(attn_dim, channels, 1, act=False)
+        self.proj = ConvNormAct(attn_dim, channels, 1, act=None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = resize_to_multiple(x, self.patch_size, align_corners=True)
@@ -122,7 +121,7 @@ class MobileViTv2(StagedBackbone):
     with depth; ``dropout`` after attention and in the FFN; ``attn_dropout`` on the
     context scores.
 
-    ``attention`` swaps the token mixer for any variant of ``backbones.attention``
+    ``attention`` swaps the token mixer for any variant of ``layers.attention``
     (``num_heads`` and ``attention_kwargs``, e.g. ``{"max_len": 256}``, go to it);
     the paper's model is the default, "separable".
     """
@@ -146,33 +145,18 @@ class MobileViTv2(StagedBackbone):
         stem_chs = make_divisible(min(max(32 * width, 16), 64), 8, min_value=16)
         self.stem = ConvNormAct(in_chans, stem_chs, 3, stride=2)
 
-        depth_total = sum(s[2] for s in STAGES_V2)
-        rates = torch.linspace(0, drop_path_rate, depth_total).tolist()
-        plan = dilated_stage_plan([s[4] for s in STAGES_V2], output_stride)
-        in_chs = stem_chs
-        self.stages = nn.ModuleList()
-        self.stage_strides = [total for *_, total in plan]
-        self.feature_channels: dict[int, int] = {}
-        for (base_chs, base_attn, depth, n_mv2, _), (stride, first_dilation, dilation, total) in zip(STAGES_V2, plan):
-            out_chs = make_divisible(base_chs * width)
-            blocks: list[nn.Module] = []
-            for i in range(n_mv2):
-                first = i == 0
-                block_stride, block_dilation = (stride, first_dilation) if first else (1, dilation)
-                blocks.append(InvertedResidual(in_chs, out_chs, block_stride, 2.0, block_dilation))
-                in_chs = out_chs
-            if base_attn:
-                blocks.append(
-                    MobileViTv2Block(
-                        out_chs, make_divisible(base_attn * width), depth, 2, 2.0, dilation, attention, dropout,
-                        attn_dropout, rates[:depth], num_heads, attention_kwargs,
-                    )
-                )
-                rates = rates[depth:]
-            self.stages.append(nn.Sequential(*blocks))
-            self.feature_channels[total] = out_chs  # a dilated stage overwrites its stride's entry
+        stages = [
+            Stage(make_divisible(chs * width), n_mv2, stride, depth, make_divisible(attn * width) if attn else 0)
+            for chs, n_mv2, stride, depth, attn in STAGES_V2
+        ]
+        in_chs = self._build_stages(
+            stem_chs, stages, 2.0, output_stride, drop_path_rate, MobileViTv2Block, attention=attention,
+            num_heads=num_heads, attention_kwargs=attention_kwargs, dropout=dropout, attn_dropout=attn_dropout,
+        )
         self.num_features = in_chs
 
         if pretrained:
             self.load_pretrained(pretrained)
 
+
+register_mobilevit_converters("mobilevitv2")

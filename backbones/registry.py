@@ -6,37 +6,20 @@ scripts, tests and checkpoint import: ``create_backbone("mobilevitv2", width=0.7
 """
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable
 
 import torch.nn as nn
 
-_BACKBONES: dict[str, Callable[..., nn.Module]] = {}
+from layers.registry import Registry
 
-T = TypeVar("T")
-
-
-def register_backbone(name: str) -> Callable[[T], T]:
-    """Class decorator adding a backbone under ``name`` (lower case)."""
-
-    def decorator(cls: T) -> T:
-        key = name.lower()
-        if key in _BACKBONES and _BACKBONES[key] is not cls:
-            raise ValueError(f"backbone name {name!r} is already registered to {_BACKBONES[key]}")
-        _BACKBONES[key] = cls  # type: ignore[assignment]
-        return cls
-
-    return decorator
+#: name -> image backbone class; ``@register_backbone("name")`` adds one
+BACKBONES: Registry[Callable[..., nn.Module]] = Registry("backbone")
+register_backbone = BACKBONES.register
+get_backbone_class = BACKBONES.get
 
 
 def list_backbones() -> list[str]:
-    return sorted(_BACKBONES)
-
-
-def get_backbone_class(name: str) -> Callable[..., nn.Module]:
-    try:
-        return _BACKBONES[name.lower()]
-    except KeyError:
-        raise KeyError(f"unknown backbone {name!r}; valid names: {', '.join(list_backbones())}") from None
+    return BACKBONES.names()
 
 
 def create_backbone(name: str, **kwargs) -> nn.Module:

@@ -19,8 +19,10 @@ resolution:
   input whose sides are multiples of ``patch_size`` (what ViTDet-style dense
   heads with varying image sizes want).
 
-The attention of every block is built by name through the attention zoo
-(:func:`backbones.attention.build_attention`), ``"mha"`` being timm's.
+Every block is the pre-norm :class:`layers.transformer.TransformerBlock` (GELU
+feed-forward, LayerNorm epsilon 1e-6 as timm); its attention is built by name
+through the attention zoo (:func:`layers.attention.build_attention`), ``"mha"``
+being timm's.
 
 Sizes (parameters with a 1000-class head at 224 px, patch 16, DeiT Table 1 / timm):
 tiny 192 wide, 3 heads, 5.72M; small 384 wide, 6 heads, 22.05M; base 768 wide,
@@ -35,13 +37,11 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torchvision.ops import StochasticDepth
 
-from backbones.attention import build_attention
-from backbones.layers import Mlp
 from backbones.pyramid import SingleScaleBackbone
 from backbones.registry import register_backbone
 from backbones.weights import StateDict, register_converter, rename_keys
+from layers.transformer import TransformerBlock
 
 log = logging.getLogger(__name__)
 
@@ -101,33 +101,6 @@ def resample_pos_embed(
     return torch.cat([prefix, patches], dim=1)
 
 
-class Block(nn.Module):
-    """(B, N, D) -> (B, N, D): pre-norm attention then pre-norm MLP, each residual with stochastic depth."""
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        mlp_ratio: float = 4.0,
-        attention: str = "mha",
-        attention_kwargs: dict[str, Any] | None = None,
-        dropout: float = 0.0,
-        attn_dropout: float = 0.0,
-        drop_path: float = 0.0,
-    ):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = build_attention(attention, dim, num_heads, dropout=attn_dropout, **(attention_kwargs or {}))
-        self.attn_drop = nn.Dropout(dropout)  # timm's proj_drop, after the output projection
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), nn.GELU, dropout)
-        self.drop_path = StochasticDepth(drop_path, mode="row")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path(self.attn_drop(self.attn(self.norm1(x))))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
-
-
 @register_backbone("vit")
 class ViT(SingleScaleBackbone):
     """ViT-Ti/S/B/L with any patch and image size.
@@ -184,7 +157,18 @@ class ViT(SingleScaleBackbone):
         drop_path_rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         self.blocks = nn.Sequential(
             *[
-                Block(embed_dim, num_heads, mlp_ratio, attention, attention_kwargs, dropout, attn_dropout, rate)
+                TransformerBlock(
+                    embed_dim,
+                    int(embed_dim * mlp_ratio),
+                    attention,
+                    num_heads,
+                    dropout=dropout,
+                    attn_dropout=attn_dropout,
+                    drop_path=rate,
+                    attention_kwargs=attention_kwargs,
+                    act_layer=nn.GELU,
+                    norm_eps=1e-6,
+                )
                 for rate in drop_path_rates
             ]
         )

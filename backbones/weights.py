@@ -9,8 +9,8 @@ takes its classifier from it with :func:`classifier_state`);
 ``load_pretrained(backbone, path)`` loads its backbone part, refusing with the
 lists of missing / unexpected / misshaped keys when it does not fit.
 
-Foreign formats are recognised per backbone by registered converters, so a
-backbone file adds its own mapping without touching this one::
+Foreign formats are recognised per backbone by registered converters: the file
+that defines a backbone family registers its key mappings, e.g. ``backbones/vit.py``::
 
     @register_converter("vit", "timm", detect=lambda sd: "cls_token" in sd)
     def _vit_from_timm(state_dict, backbone):
@@ -29,13 +29,15 @@ from typing import Callable, Mapping
 import torch
 import torch.nn as nn
 
-from backbones.registry import get_backbone_class, list_backbones
+from backbones.registry import BACKBONES
+from layers.registry import Registry
 
 StateDict = dict[str, torch.Tensor]
 Converter = Callable[[StateDict, nn.Module], StateDict]
 Detector = Callable[[Mapping[str, torch.Tensor]], bool]
 
-_CONVERTERS: dict[str, dict[str, tuple[Detector, Converter]]] = {}
+#: "<backbone>/<source>" -> (detect, convert); filled by :func:`register_converter`
+CONVERTERS: Registry[tuple[Detector, Converter]] = Registry("checkpoint converter")
 
 #: keys that a checkpoint may lack without harm (BatchNorm's step counter)
 OPTIONAL_SUFFIXES = ("num_batches_tracked",)
@@ -46,10 +48,16 @@ def register_converter(backbone: str, source: str, detect: Detector) -> Callable
     ``source`` (e.g. "timm", "cvnets") that ``detect(state_dict)`` recognises."""
 
     def decorator(fn: Converter) -> Converter:
-        _CONVERTERS.setdefault(backbone.lower(), {})[source] = (detect, fn)
+        CONVERTERS.add(f"{backbone}/{source}", (detect, fn))
         return fn
 
     return decorator
+
+
+def converters_for(backbone: str) -> dict[str, tuple[Detector, Converter]]:
+    """source -> (detect, convert) of the converters registered for ``backbone``, in registration order."""
+    prefix = f"{backbone.lower()}/"
+    return {key[len(prefix) :]: entry for key, entry in CONVERTERS.items() if key.startswith(prefix)}
 
 
 def rename_keys(state_dict: Mapping[str, torch.Tensor], rules: list[tuple[str, str]]) -> StateDict:
@@ -63,10 +71,10 @@ def rename_keys(state_dict: Mapping[str, torch.Tensor], rules: list[tuple[str, s
 
 
 def backbone_name(backbone: nn.Module) -> str:
-    for name in list_backbones():
-        if get_backbone_class(name) is type(backbone):
+    for name, cls in BACKBONES.items():
+        if cls is type(backbone):
             return name
-    valid = ", ".join(list_backbones())
+    valid = ", ".join(BACKBONES.names())
     raise KeyError(f"{type(backbone).__name__} is not a registered backbone; valid names: {valid}")
 
 
@@ -103,7 +111,7 @@ def convert_state_dict(state_dict: Mapping[str, torch.Tensor], backbone: nn.Modu
     elif set(state_dict) <= set(own):  # a bare state dict of our backbone
         canonical = {f"backbone.{k}": v for k, v in state_dict.items()}
     else:
-        converters = _CONVERTERS.get(name, {})
+        converters = converters_for(name)
         matches = [(src, fn) for src, (detect, fn) in converters.items() if detect(state_dict)]
         if not matches:
             sample = ", ".join(list(state_dict)[:5])
@@ -187,56 +195,3 @@ def classifier_state(canonical: Mapping[str, torch.Tensor], num_classes: int, pr
         )
         return {}
     return {"weight": weight} | ({"bias": bias} if bias is not None else {})
-
-
-# --------------------------------------------------------------------------- MobileViT v1 / v2
-# timm (byobnet naming) -> ours. Shared by both families; v1-only names simply never match in v2.
-_TIMM_MOBILEVIT_RULES = [
-    (r"^(stages\.\d+\.\d+)\.conv1_1x1\.", r"\1.expand."),
-    (r"^(stages\.\d+\.\d+)\.conv2_kxk\.", r"\1.depthwise."),
-    (r"^(stages\.\d+\.\d+)\.conv3_1x1\.", r"\1.project."),
-    (r"^(stages\.\d+\.\d+)\.conv_kxk\.", r"\1.local_conv."),
-    (r"^(stages\.\d+\.\d+)\.conv_1x1\.", r"\1.to_tokens."),
-    (r"\.attn\.qkv_proj\.", ".attn.qkv."),
-    (r"\.attn\.out_proj\.", ".attn.proj."),
-    (r"^(stages\.\d+\.\d+)\.conv_proj\.", r"\1.proj."),
-    (r"^(stages\.\d+\.\d+)\.conv_fusion\.", r"\1.fusion."),
-    (r"^(?!head\.)", "backbone."),
-]
-
-# apple/ml-cvnets -> ours (cvnets/models/classification/mobilevit{,_v2}.py, cvnets/modules/*)
-_CVNETS_MOBILEVIT_RULES = [
-    (r"\.block\.norm\.", ".block.bn."),
-    (r"^conv_1\.block\.", "stem."),
-    (r"^layer_(\d)\.", lambda m: f"stages.{int(m.group(1)) - 1}."),
-    (r"\.block\.exp_1x1\.block\.", ".expand."),
-    (r"\.block\.conv_3x3\.block\.", ".depthwise."),
-    (r"\.block\.red_1x1\.block\.", ".project."),
-    (r"\.local_rep\.(0|conv_3x3)\.block\.", ".local_conv."),
-    (r"\.local_rep\.(1|conv_1x1)\.block\.conv\.", ".to_tokens."),
-    (r"\.global_rep\.(\d+)\.pre_norm_(attn|mha)\.0\.", r".transformer.\1.norm1."),
-    (r"\.global_rep\.(\d+)\.pre_norm_(attn|mha)\.1\.qkv_proj\.(block\.conv\.)?", r".transformer.\1.attn.qkv."),
-    (r"\.global_rep\.(\d+)\.pre_norm_(attn|mha)\.1\.out_proj\.(block\.conv\.)?", r".transformer.\1.attn.proj."),
-    (r"\.global_rep\.(\d+)\.pre_norm_ffn\.0\.", r".transformer.\1.norm2."),
-    (r"\.global_rep\.(\d+)\.pre_norm_ffn\.1\.(block\.conv\.)?", r".transformer.\1.mlp.fc1."),
-    (r"\.global_rep\.(\d+)\.pre_norm_ffn\.(3|4)\.(block\.conv\.)?", r".transformer.\1.mlp.fc2."),
-    (r"\.global_rep\.\d+\.(weight|bias)$", r".norm.\1"),
-    (r"\.conv_proj\.block\.", ".proj."),
-    (r"\.fusion\.block\.", ".fusion."),
-    (r"^conv_1x1_exp\.block\.", "final_conv."),
-    (r"^classifier\.(1|fc)\.", "head.fc."),
-    (r"^(?!head\.)", "backbone."),
-]
-
-
-def _timm_mobilevit(state_dict: StateDict, backbone: nn.Module) -> StateDict:
-    return rename_keys(state_dict, _TIMM_MOBILEVIT_RULES)
-
-
-def _cvnets_mobilevit(state_dict: StateDict, backbone: nn.Module) -> StateDict:
-    return rename_keys(state_dict, _CVNETS_MOBILEVIT_RULES)
-
-
-for _name in ("mobilevit", "mobilevitv2"):
-    register_converter(_name, "timm", detect=lambda sd: any(".conv1_1x1." in k for k in sd))(_timm_mobilevit)
-    register_converter(_name, "cvnets", detect=lambda sd: "conv_1.block.conv.weight" in sd)(_cvnets_mobilevit)

@@ -16,20 +16,20 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from heads.seg_common import ConvBNReLU, SegmentationHead
+from heads.seg_common import SegmentationHead, conv_bn_relu
 
 #: ASPP dilation rates for the two output strides the MobileViT recipes use
 ATROUS_RATES = {16: (6, 12, 18), 8: (12, 24, 36)}
 
 
 class SeparableConvBNReLU(nn.Sequential):
-    """Depthwise dilated 3x3 conv, then pointwise conv-BN-ReLU: (B, C_in, H, W) -> (B, C_out, H, W)."""
+    """Depthwise dilated 3x3 conv (no norm), then pointwise conv-BN-ReLU: (B, C_in, H, W) -> (B, C_out, H, W)."""
 
     def __init__(self, in_channels: int, out_channels: int, dilation: int):
         super().__init__(
             nn.Conv2d(in_channels, in_channels, 3, padding=dilation, dilation=dilation, groups=in_channels,
                       bias=False),
-            ConvBNReLU(in_channels, out_channels, kernel_size=1),
+            conv_bn_relu(in_channels, out_channels),
         )
 
 
@@ -38,7 +38,7 @@ class ImagePooling(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int):
         super().__init__()
-        self.project = ConvBNReLU(in_channels, out_channels, kernel_size=1)
+        self.project = conv_bn_relu(in_channels, out_channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pooled = self.project(x.mean(dim=(2, 3), keepdim=True))
@@ -55,13 +55,13 @@ class ASPP(nn.Module):
         super().__init__()
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"ASPP dropout must be in [0, 1), got {dropout}")
-        dilated = SeparableConvBNReLU if separable else (lambda i, o, d: ConvBNReLU(i, o, 3, dilation=d))
+        dilated = SeparableConvBNReLU if separable else (lambda i, o, d: conv_bn_relu(i, o, 3, dilation=d))
         self.branches = nn.ModuleList(
-            [ConvBNReLU(in_channels, out_channels, kernel_size=1)]
+            [conv_bn_relu(in_channels, out_channels)]
             + [dilated(in_channels, out_channels, int(rate)) for rate in atrous_rates]
             + [ImagePooling(in_channels, out_channels)]
         )
-        self.project = ConvBNReLU(len(self.branches) * out_channels, out_channels, kernel_size=1)
+        self.project = conv_bn_relu(len(self.branches) * out_channels, out_channels)
         self.dropout = nn.Dropout2d(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from heads.seg_common import ConvBNReLU, SegmentationHead
+from heads.seg_common import SegmentationHead, conv_bn_relu
 
 
 class PyramidPooling(nn.Module):
@@ -29,10 +29,10 @@ class PyramidPooling(nn.Module):
             raise ValueError(f"PSP dropout must be in [0, 1), got {dropout}")
         branch_channels = max(16, in_channels // len(pool_sizes) // 16 * 16)
         self.branches = nn.ModuleList(
-            nn.Sequential(nn.AdaptiveAvgPool2d(int(size)), ConvBNReLU(in_channels, branch_channels, kernel_size=1))
+            nn.Sequential(nn.AdaptiveAvgPool2d(int(size)), conv_bn_relu(in_channels, branch_channels))
             for size in pool_sizes
         )
-        self.fuse = ConvBNReLU(in_channels + len(pool_sizes) * branch_channels, out_channels, kernel_size=3)
+        self.fuse = conv_bn_relu(in_channels + len(pool_sizes) * branch_channels, out_channels, kernel_size=3)
         self.dropout = nn.Dropout2d(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

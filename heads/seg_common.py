@@ -12,19 +12,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from layers.conv import ConvNormAct
 
-class ConvBNReLU(nn.Sequential):
-    """(B, in_channels, H, W) -> (B, out_channels, H, W) for stride 1: conv (no bias), BN, ReLU."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 1, dilation: int = 1,
-                 groups: int = 1):
-        padding = dilation * (kernel_size - 1) // 2
-        super().__init__(
-            nn.Conv2d(in_channels, out_channels, kernel_size, padding=padding, dilation=dilation, groups=groups,
-                      bias=False),
-            nn.BatchNorm2d(out_channels),
-            nn.ReLU(inplace=True),
-        )
+def conv_bn_relu(in_channels: int, out_channels: int, kernel_size: int = 1, dilation: int = 1) -> ConvNormAct:
+    """(B, in_channels, H, W) -> (B, out_channels, H, W): conv (no bias), BN, ReLU, children
+    ``0``, ``1``, ``2`` (the layout of the heads' checkpoints)."""
+    return ConvNormAct(in_channels, out_channels, kernel_size, dilation=dilation, act="relu", positional=True)
 
 
 class AuxHead(nn.Sequential):
@@ -38,7 +32,7 @@ class AuxHead(nn.Sequential):
     def __init__(self, in_channels: int, num_classes: int, dropout: float = 0.1):
         hidden = max(in_channels // 4, 128)
         super().__init__(
-            ConvBNReLU(in_channels, hidden, kernel_size=3),
+            conv_bn_relu(in_channels, hidden, kernel_size=3),
             nn.Dropout2d(dropout),
             nn.Conv2d(hidden, num_classes, kernel_size=1),
         )

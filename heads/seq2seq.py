@@ -21,8 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from backbones.attention import KVCache, MultiHeadAttention
-from backbones.transformer import FeedForward, Residual, TokenEmbedding, init_transformer_weights
+from layers.attention import KVCache, MultiHeadAttention
+from layers.feedforward import FeedForward
+from layers.transformer import Residual, TokenEmbedding, init_transformer_weights
 
 Tensor = torch.Tensor
 
@@ -40,12 +41,11 @@ class DecoderCache:
     def empty(cls, num_layers: int) -> "DecoderCache":
         return cls([KVCache() for _ in range(num_layers)], [KVCache(static=True) for _ in range(num_layers)])
 
-    def reorder(self, index: Tensor, cross: bool = False) -> None:
-        """Keep batch rows ``index`` (B',) in that order: the self-attention states always,
-        the cross-attention states only with ``cross=True`` (needed when rows of different
-        sources are dropped or swapped; beams of one source share their memory)."""
-        caches = self.self_attn + (self.cross_attn if cross else [])
-        for c in caches:
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows ``index`` (B',) of the self-attention states, in that order. The
+        cross-attention states stay: beam search only reorders beams of one source, which
+        share their memory."""
+        for c in self.self_attn:
             if c.key is not None:
                 c.key = c.key.index_select(0, index)
                 c.value = c.value.index_select(0, index)
@@ -59,7 +59,7 @@ class DecoderLayer(nn.Module):
         self.self_block = Residual(dim, dropout, pre_norm)
         self.cross_attn = MultiHeadAttention(dim, num_heads, dropout=attention_dropout)
         self.cross_block = Residual(dim, dropout, pre_norm)
-        self.ffn = FeedForward(dim, ffn_dim, activation_dropout)
+        self.ffn = FeedForward(dim, ffn_dim, nn.ReLU, activation_dropout, out_dropout=0.0)
         self.ffn_block = Residual(dim, dropout, pre_norm)
 
     def forward(self, x: Tensor, memory: Tensor | None, memory_padding_mask: Tensor | None,

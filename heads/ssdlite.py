@@ -26,27 +26,21 @@ from torchvision.ops import batched_nms, box_convert
 from heads.anchors import SSDAnchorGenerator
 from heads.box_coder import SSDBoxCoder
 from heads.matcher import SSDMatcher
+from layers.conv import ConvNormAct
 
 GLOBAL_LEVEL = -1  #: the output stride that names the global-average-pooled 1x1 level
 
 
 class SeparableConv(nn.Sequential):
-    """Depthwise kxk conv + BN, then pointwise 1x1 conv (+ BN + ReLU when ``norm_act``)."""
+    """Depthwise kxk conv + BN, then pointwise 1x1 conv (+ BN + ReLU when ``norm_act``),
+    as one flat sequence (children ``0`` to ``4``, the layout of the head's checkpoints)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3, stride: int = 1,
                  norm_act: bool = True):
         super().__init__(
-            nn.Conv2d(in_channels, in_channels, kernel_size, stride, kernel_size // 2, groups=in_channels, bias=False),
-            nn.BatchNorm2d(in_channels),
-            nn.Conv2d(in_channels, out_channels, 1, bias=not norm_act),
+            *ConvNormAct(in_channels, in_channels, kernel_size, stride, groups=in_channels, act=None),
+            *ConvNormAct(in_channels, out_channels, 1, norm=norm_act, act="relu" if norm_act else None),
         )
-        if norm_act:
-            self.append(nn.BatchNorm2d(out_channels))
-            self.append(nn.ReLU())
-
-
-def conv_bn_relu(in_channels: int, out_channels: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, bias=False), nn.BatchNorm2d(out_channels), nn.ReLU())
 
 
 class SSDLiteHead(nn.Module):
@@ -102,7 +96,7 @@ class SSDLiteHead(nn.Module):
                 channels = feature_channels[stride]
             elif stride == GLOBAL_LEVEL:
                 self.extra_layers[self._key(stride)] = nn.Sequential(
-                    nn.AdaptiveAvgPool2d(1), nn.Conv2d(channels, proj, 1, bias=False), nn.ReLU())
+                    nn.AdaptiveAvgPool2d(1), *ConvNormAct(channels, proj, norm=False, act="relu", bias=False))
                 channels = proj
             else:
                 self.extra_layers[self._key(stride)] = SeparableConv(channels, proj, stride=2)
@@ -117,7 +111,7 @@ class SSDLiteHead(nn.Module):
             if stride == GLOBAL_LEVEL:
                 predictor = nn.Conv2d(in_ch, n_anchors * outputs_per_anchor, 1)
             else:
-                project = conv_bn_relu(in_ch, proj) if proj != in_ch else nn.Identity()
+                project = ConvNormAct(in_ch, proj, act="relu", positional=True) if proj != in_ch else nn.Identity()
                 predictor = nn.Sequential(project, SeparableConv(proj, n_anchors * outputs_per_anchor,
                                                                  norm_act=False))
             self.predictors.append(predictor)

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from backbones.attention import KVCache, MultiHeadAttention, build_attention, list_attention
+from layers.attention import KVCache, MultiHeadAttention, build_attention, list_attention
 
 DIM, HEADS, MAX_LEN = 32, 4, 16
 KWARGS = {"linformer": {"max_len": MAX_LEN, "proj_len": 8}, "synthesizer_dense": {"max_len": MAX_LEN},

@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from backbones.attention import list_attention
-from backbones.transformer import TRANSFORMER_SIZES, TransformerEncoder, sinusoidal_table
+from backbones.transformer import TRANSFORMER_SIZES, TransformerEncoder
 from heads.seq2seq import TransformerDecoder
+from layers.attention import list_attention
+from layers.transformer import sinusoidal_table
 
 PAD = 0
 

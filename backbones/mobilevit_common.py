@@ -1,0 +1,216 @@
+"""What MobileViT v1 and v2 share: the MobileNetv2 block, the staged trunk and its
+stage builder (with DeepLab-style dilation), the resize of odd-sized maps, and the
+key mappings of timm and apple/ml-cvnets checkpoints, which name both versions alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchvision.ops import StochasticDepth
+
+from backbones.base import Backbone
+from backbones.weights import StateDict, register_converter, rename_keys
+from layers.conv import ConvNormAct
+
+
+def make_divisible(value: float, divisor: int = 8, min_value: int | None = None, round_limit: float = 0.9) -> int:
+    """Round ``value`` to a multiple of ``divisor`` without losing more than 10%
+    (the MobileNet/CVNets rule that fixes every channel count of MobileViT)."""
+    min_value = min_value or divisor
+    rounded = max(min_value, int(value + divisor / 2) // divisor * divisor)
+    if rounded < round_limit * value:
+        rounded += divisor
+    return rounded
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetv2 block (MV2): 1x1 expand -> 3x3 depthwise (stride, dilation) -> 1x1 linear project.
+
+    (B, in_chs, H, W) -> (B, out_chs, H/stride, W/stride); residual only when the
+    shapes allow it (stride 1 and in_chs == out_chs), as in MobileNetv2/CVNets.
+    """
+
+    def __init__(
+        self,
+        in_chs: int,
+        out_chs: int,
+        stride: int = 1,
+        expand_ratio: float = 2.0,
+        dilation: int = 1,
+        drop_path: float = 0.0,
+    ):
+        super().__init__()
+        mid_chs = make_divisible(in_chs * expand_ratio)
+        self.expand = ConvNormAct(in_chs, mid_chs, 1)
+        self.depthwise = ConvNormAct(mid_chs, mid_chs, 3, stride=stride, groups=mid_chs, dilation=dilation)
+        self.project = ConvNormAct(mid_chs, out_chs, 1, act=None)
+        self.has_residual = stride == 1 and in_chs == out_chs
+        self.drop_path = StochasticDepth(drop_path, "row") if self.has_residual and drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.project(self.depthwise(self.expand(x)))
+        return x + self.drop_path(out) if self.has_residual else out
+
+
+def resize_to_multiple(x: torch.Tensor, multiple: tuple[int, int], align_corners: bool) -> torch.Tensor:
+    """Bilinear resize (B, C, H, W) up to the next multiple of ``multiple`` (the MobileViT
+    references do this instead of padding); a no-op, without a copy, when it already fits."""
+    h, w = x.shape[-2:]
+    new_h, new_w = -(-h // multiple[0]) * multiple[0], -(-w // multiple[1]) * multiple[1]
+    if (new_h, new_w) == (h, w):
+        return x
+    return F.interpolate(x, size=(new_h, new_w), mode="bilinear", align_corners=align_corners)
+
+
+def dilated_stage_plan(
+    stage_strides: list[int], output_stride: int, stem_stride: int = 2
+) -> list[tuple[int, int, int, int]]:
+    """Per stage ``(stride, first_dilation, dilation, output stride)``: once the
+    network reaches ``output_stride``, a stage that would downsample keeps its
+    resolution and doubles the dilation instead (DeepLab-style; the first block of
+    that stage still uses the previous dilation, as CVNets and timm do)."""
+    if output_stride not in (8, 16, 32):
+        raise ValueError(f"output_stride must be 8, 16 or 32, got {output_stride}")
+    plan, total, dilation = [], stem_stride, 1
+    for stride in stage_strides:
+        first_dilation = dilation
+        if stride > 1 and total >= output_stride:
+            dilation *= stride
+            stride = 1
+        total *= stride
+        plan.append((stride, first_dilation, dilation, total))
+    return plan
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the trunk: ``mv2_blocks`` MV2 blocks to ``channels`` (the first with
+    ``stride``), then, if ``depth`` > 0, a MobileViT block of ``depth`` transformer
+    layers of width ``attn_dim``."""
+
+    channels: int
+    mv2_blocks: int
+    stride: int
+    depth: int = 0
+    attn_dim: int = 0
+
+
+class StagedBackbone(Backbone):
+    """A stem and a list of stages; the output of each stage is the feature map at
+    its stride (``stage_strides``). Subclasses build ``stem`` and ``num_features``
+    and call :meth:`_build_stages` for the rest."""
+
+    stem: nn.Module
+    stages: nn.ModuleList
+    stage_strides: list[int]
+
+    def _build_stages(
+        self,
+        in_chs: int,
+        stages: Sequence[Stage],
+        expand_ratio: float,
+        output_stride: int,
+        drop_path_rate: float,
+        vit_block: Callable[..., nn.Module],
+        **block_kwargs,
+    ) -> int:
+        """Build ``stages``, ``stage_strides`` and ``feature_channels`` from the stem's
+        ``in_chs`` channels; return the channels of the last stage.
+
+        Stages past ``output_stride`` are dilated (:func:`dilated_stage_plan`). The
+        MobileViT block of a stage is ``vit_block(channels, attn_dim, depth, dilation=...,
+        drop_path=[rate per layer], **block_kwargs)``; the stochastic-depth rate rises
+        linearly from 0 to ``drop_path_rate`` over all transformer layers of the trunk.
+        """
+        rates = torch.linspace(0, drop_path_rate, sum(stage.depth for stage in stages)).tolist()
+        plan = dilated_stage_plan([stage.stride for stage in stages], output_stride)
+        self.stages = nn.ModuleList()
+        self.stage_strides = [total for *_, total in plan]
+        self.feature_channels: dict[int, int] = {}
+        for stage, (stride, first_dilation, dilation, total) in zip(stages, plan):
+            blocks: list[nn.Module] = []
+            for i in range(stage.mv2_blocks):
+                block_stride, block_dilation = (stride, first_dilation) if i == 0 else (1, dilation)
+                blocks.append(InvertedResidual(in_chs, stage.channels, block_stride, expand_ratio, block_dilation))
+                in_chs = stage.channels
+            if stage.depth:
+                blocks.append(
+                    vit_block(
+                        stage.channels, stage.attn_dim, stage.depth, dilation=dilation, drop_path=rates[: stage.depth],
+                        **block_kwargs,
+                    )
+                )
+                rates = rates[stage.depth :]
+            self.stages.append(nn.Sequential(*blocks))
+            self.feature_channels[total] = stage.channels  # a dilated stage overwrites its stride's entry
+        return in_chs
+
+    def forward(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
+        self.check_input(x)
+        # channels-last once, here: every convolution then runs its channels-last
+        # kernel and the transformers' (B, H, W, C) views of the maps are free
+        x = self.stem(x.contiguous(memory_format=torch.channels_last))
+        features = {}
+        for stride, stage in zip(self.stage_strides, self.stages):
+            x = stage(x)
+            features[stride] = x
+        return features
+
+
+# --------------------------------------------------------------------------- checkpoint key mappings
+# timm (byobnet naming) -> ours. Shared by both versions; v1-only names simply never match in v2.
+_TIMM_MOBILEVIT_RULES = [
+    (r"^(stages\.\d+\.\d+)\.conv1_1x1\.", r"\1.expand."),
+    (r"^(stages\.\d+\.\d+)\.conv2_kxk\.", r"\1.depthwise."),
+    (r"^(stages\.\d+\.\d+)\.conv3_1x1\.", r"\1.project."),
+    (r"^(stages\.\d+\.\d+)\.conv_kxk\.", r"\1.local_conv."),
+    (r"^(stages\.\d+\.\d+)\.conv_1x1\.", r"\1.to_tokens."),
+    (r"\.attn\.qkv_proj\.", ".attn.qkv."),
+    (r"\.attn\.out_proj\.", ".attn.proj."),
+    (r"^(stages\.\d+\.\d+)\.conv_proj\.", r"\1.proj."),
+    (r"^(stages\.\d+\.\d+)\.conv_fusion\.", r"\1.fusion."),
+    (r"^(?!head\.)", "backbone."),
+]
+
+# apple/ml-cvnets -> ours (cvnets/models/classification/mobilevit{,_v2}.py, cvnets/modules/*)
+_CVNETS_MOBILEVIT_RULES = [
+    (r"\.block\.norm\.", ".block.bn."),
+    (r"^conv_1\.block\.", "stem."),
+    (r"^layer_(\d)\.", lambda m: f"stages.{int(m.group(1)) - 1}."),
+    (r"\.block\.exp_1x1\.block\.", ".expand."),
+    (r"\.block\.conv_3x3\.block\.", ".depthwise."),
+    (r"\.block\.red_1x1\.block\.", ".project."),
+    (r"\.local_rep\.(0|conv_3x3)\.block\.", ".local_conv."),
+    (r"\.local_rep\.(1|conv_1x1)\.block\.conv\.", ".to_tokens."),
+    (r"\.global_rep\.(\d+)\.pre_norm_(attn|mha)\.0\.", r".transformer.\1.norm1."),
+    (r"\.global_rep\.(\d+)\.pre_norm_(attn|mha)\.1\.qkv_proj\.(block\.conv\.)?", r".transformer.\1.attn.qkv."),
+    (r"\.global_rep\.(\d+)\.pre_norm_(attn|mha)\.1\.out_proj\.(block\.conv\.)?", r".transformer.\1.attn.proj."),
+    (r"\.global_rep\.(\d+)\.pre_norm_ffn\.0\.", r".transformer.\1.norm2."),
+    (r"\.global_rep\.(\d+)\.pre_norm_ffn\.1\.(block\.conv\.)?", r".transformer.\1.mlp.fc1."),
+    (r"\.global_rep\.(\d+)\.pre_norm_ffn\.(3|4)\.(block\.conv\.)?", r".transformer.\1.mlp.fc2."),
+    (r"\.global_rep\.\d+\.(weight|bias)$", r".norm.\1"),
+    (r"\.conv_proj\.block\.", ".proj."),
+    (r"\.fusion\.block\.", ".fusion."),
+    (r"^conv_1x1_exp\.block\.", "final_conv."),
+    (r"^classifier\.(1|fc)\.", "head.fc."),
+    (r"^(?!head\.)", "backbone."),
+]
+
+
+def _timm_mobilevit(state_dict: StateDict, backbone: nn.Module) -> StateDict:
+    return rename_keys(state_dict, _TIMM_MOBILEVIT_RULES)
+
+
+def _cvnets_mobilevit(state_dict: StateDict, backbone: nn.Module) -> StateDict:
+    return rename_keys(state_dict, _CVNETS_MOBILEVIT_RULES)
+
+
+def register_mobilevit_converters(backbone: str) -> None:
+    """Register the timm and CVNets key mappings for the registered backbone ``backbone``
+    (``backbones/mobilevit.py`` and ``mobilevitv2.py`` each call it for their version)."""
+    register_converter(backbone, "timm", detect=lambda sd: any(".conv1_1x1." in k for k in sd))(_timm_mobilevit)
+    register_converter(backbone, "cvnets", detect=lambda sd: "conv_1.block.conv.weight" in sd)(_cvnets_mobilevit)
