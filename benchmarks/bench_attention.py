@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backbones.attention import build_attention  # noqa: E402
+from layers.attention import build_attention  # noqa: E402
 
 DIM, HEADS, PROJ_LEN = 512, 8, 256
 TOKENS = [64, 128, 256, 512, 1024, 2048, 4096]

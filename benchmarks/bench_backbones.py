@@ -34,8 +34,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import backbones  # noqa: E402  (registers every backbone)
-from backbones import create_backbone, list_backbones  # noqa: E402
+from backbones import create_backbone, list_backbones  # noqa: E402  (importing backbones registers them all)
 
 #: (label, our backbone name, its kwargs, timm twin, input size)
 TWINS: list[tuple[str, str, dict, str, int]] = [
@@ -51,6 +50,8 @@ TWINS: list[tuple[str, str, dict, str, int]] = [
      "convmixer_768_32", 224),
     ("mixer-s/16", "mlp_mixer", {"size": "small", "patch_size": 16}, "mixer_s16_224", 224),
 ]
+#: backbones whose token grid is fixed at construction: ``--img-size`` builds both sides for that size
+FIXED_INPUT_SIZE = {"vit", "mlp_mixer"}
 
 
 class Classifier(nn.Module):
@@ -65,12 +66,14 @@ class Classifier(nn.Module):
         return self.fc(self.backbone.forward_pooled(x))
 
 
-def build(which: str, twin: tuple, device: torch.device) -> nn.Module:
+def build(which: str, twin: tuple, device: torch.device, size: int) -> nn.Module:
     import timm
 
-    _, name, kwargs, timm_name, _ = twin
+    _, name, kwargs, timm_name, native = twin
+    sized = {"img_size": size} if size != native and name in FIXED_INPUT_SIZE else {}
     torch.manual_seed(0)
-    model = Classifier(name, kwargs) if which == "ours" else timm.create_model(timm_name, pretrained=False)
+    model = (Classifier(name, {**kwargs, **sized}) if which == "ours"
+             else timm.create_model(timm_name, pretrained=False, **sized))
     return model.to(device)
 
 
@@ -99,7 +102,7 @@ def compare(twin: tuple, batch: int, reps: int, device: torch.device, img_size: 
     x = torch.randn(batch, 3, size, size, generator=gen).to(device)
     x1 = x[:1].clone()
     y = torch.randint(0, 1000, (batch,), generator=gen).to(device)
-    models = {which: build(which, twin, device) for which in ("ours", "timm")}
+    models = {which: build(which, twin, device, size) for which in ("ours", "timm")}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for k, m in models.items()}
     times: dict[str, dict[str, list[float]]] = {k: {"train": [], "infer": [], "latency": []} for k in models}
     for k, m in models.items():  # warm-up: allocator, kernels, optimizer state
@@ -133,7 +136,7 @@ def memory_probe(which: str, index: int, batch: int, device_name: str, img_size:
     device = torch.device(device_name)
     twin = TWINS[index]
     size = img_size or twin[4]
-    model = build(which, twin, device).train()
+    model = build(which, twin, device, size).train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 1000, (batch,), device=device)

@@ -57,7 +57,8 @@ sys.path.insert(0, str(REPO))
 from datamodules.coco import CocoDataModule  # noqa: E402
 from datamodules.demo import demo_root  # noqa: E402
 from datamodules.demo_text import demo_translation_root  # noqa: E402
-from datamodules.imagefolder import IMAGE_EXTENSIONS, ImageFolderDataModule  # noqa: E402
+from datamodules.imagefolder import ImageFolderDataModule  # noqa: E402
+from datamodules.images import IMAGE_EXTENSIONS  # noqa: E402
 from datamodules.segmentation import (IGNORE_INDEX, SegmentationDataModule, read_mask,  # noqa: E402
                                       read_split_list)
 from datamodules.tokenizer import PAD_ID  # noqa: E402
@@ -71,10 +72,6 @@ JPEG_QUALITY = 90
 WMT_WORDS = 24
 #: bump when a builder below changes, so stale copies are rebuilt
 BUILD_VERSION = 1
-#: what to measure instead when a recipe's pipeline raises (see :func:`first_error`); printed with the table.
-#: imagenet: ImageFolderDataModule runs RandAugment on tensors, whose rotate/shear accept only nearest and
-#: bilinear, so the recipe's ``interpolation: bicubic`` fails on ~60 % of images
-FALLBACKS = {"imagenet": {"interpolation": "bilinear"}}
 
 
 # -- benchmark-sized copies of the demo sets ----------------------------------------------------------------
@@ -246,32 +243,6 @@ def describe_data(pipeline: Pipeline, root: Path, recipe: dict) -> str:
 
 
 # -- measuring -----------------------------------------------------------------------------------------------
-def first_error(dm, tries: int = 20) -> Exception | None:
-    """The error, if any, of reading ``tries`` training items in this process (random ops differ per call)."""
-    dataset = dm.train_dataloader().dataset
-    torch.manual_seed(0)
-    try:
-        for i in range(tries):
-            dataset[i % len(dataset)]
-    except Exception as err:  # noqa: BLE001 - any failure of the pipeline is reported, then the fallback measured
-        return err
-    return None
-
-
-def use_fallback_if_failing(name: str, pipeline: Pipeline, root: Path, recipe: dict) -> str | None:
-    """Read a few training items with ``recipe``; if that raises, switch ``recipe`` to the known
-    fallback (:data:`FALLBACKS`) and return a note saying so, else raise."""
-    probe = pipeline.datamodule(root=str(root), num_workers=0, **recipe)
-    probe.setup("fit")
-    error = first_error(probe)
-    if error is None:
-        return None
-    if name not in FALLBACKS:
-        raise RuntimeError(f"{name}: the training pipeline of {pipeline.config} fails") from error
-    recipe.update(FALLBACKS[name])
-    return f"{name}: the recipe's pipeline raises `{type(error).__name__}: {error}`; measured with {FALLBACKS[name]} instead"
-
-
 def endless(loader):
     """Batches of ``loader`` over epoch after epoch (setting the sampler's epoch, as Lightning does)."""
     epoch = 0
@@ -318,7 +289,6 @@ def run(args) -> None:
               "| images/s per loading process |", "|---|---|---|---:|---:|---:|---:|---:|"]
     text = ["| pipeline | recipe | source sentence | max tokens | workers | batches timed | sentences/s "
             "| target tokens/s | target tokens/s per loading process |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    notes = []
     for name in args.pipelines:
         pipeline = PIPELINES[name]
         recipe = recipe_data(pipeline)
@@ -328,9 +298,6 @@ def run(args) -> None:
             recipe["batch_size"] = args.batch_size
         root = dataset_root(name, pipeline, recipe, args.native)
         data = describe_data(pipeline, root, recipe)
-        note = use_fallback_if_failing(name, pipeline, root, recipe)
-        if note:
-            notes.append(note)
         for workers in args.workers:
             dm = pipeline.datamodule(root=str(root), num_workers=workers, **recipe)
             start = time.perf_counter()
@@ -354,8 +321,6 @@ def run(args) -> None:
     for table in (vision, text):
         if len(table) > 2:
             print("\n" + "\n".join(table))
-    for note in notes:
-        print(f"\nNote: {note}")
 
 
 def main(argv=None) -> None:

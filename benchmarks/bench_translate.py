@@ -1,7 +1,7 @@
 """Translation speed and quality, measured side by side in one process.
 
     python benchmarks/bench_translate.py speed  [--threads 2] [--dims demo|base]
-    python benchmarks/bench_translate.py curve  [--out runs/bench_translate_curve]
+    python benchmarks/bench_translate.py curve  [--out runs/bench_translate_curve] [CLI overrides]
 
 ``speed``:
 - training tokens/s (source + target, padding excluded) of the demo recipe's model on
@@ -210,10 +210,14 @@ def parse_args(argv=None):
     s.add_argument("--dims", choices=sorted(DIMS), default="demo")
     s.add_argument("--train-steps", type=int, default=10)
     s.add_argument("--repeats", type=int, default=2, help="timed repeats (best of), after one warm-up")
-    c = sub.add_parser("curve")
+    c = sub.add_parser("curve", epilog="Any other arguments are CLI overrides for the fit and the test, "
+                                         "e.g. --trainer.max_epochs 5")
     c.add_argument("--out", default="runs/bench_translate_curve")
-    c.add_argument("extra", nargs="*", help="extra CLI overrides for the fit, e.g. --trainer.max_epochs=5")
-    return parser.parse_args(argv)
+    args, overrides = parser.parse_known_args(argv)  # overrides keep their order, e.g. --trainer.max_epochs 5
+    if overrides and args.what != "curve":
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    args.extra = overrides
+    return args
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ A plain training loop (no Lightning, one process, ``--threads`` torch threads) o
 own datamodule and model classes, with the demo recipe's values for everything not given as an
 option, printing on the 100 validation scenes every ``--eval-every`` steps:
 
-- ``miou``: the task's metric (DESIGN.md definition, ``tasks.segment.SegmentationMetric``);
+- ``miou``: the task's metric, ``tasks.segment.SegmentationMetric``: one confusion matrix over all
+  100 scenes (ignore pixels left out), mean IoU over the classes present;
 - ``identity``: share of the digit pixels whose argmax over the 10 *digit* logits is the right
   digit (chance 0.10), i.e. identity regardless of the foreground/background decision;
 - ``fg_iou``: class-agnostic IoU of "any digit" against the truth (the stroke masks alone).
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -95,10 +97,12 @@ def dense(args) -> None:
     optimizer = recipe_optimizer(model, args.lr)
     schedule = WarmupCosineLR(optimizer, total_steps=args.steps, **RECIPE["model"]["scheduler"]["init_args"])
     loader = torch.utils.data.DataLoader(data.train_set, batch_size=args.batch, shuffle=True, drop_last=True)
+    # the task's own training loss; its self.log calls are no-ops without a Trainer
+    warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)`")
     step, start = 0, time.perf_counter()
     while step < args.steps:
         for batch in loader:
-            loss = model._loss(model(batch["image"]), batch["mask"])
+            loss = model.training_loss(batch, step)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), RECIPE["trainer"]["gradient_clip_val"])

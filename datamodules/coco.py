@@ -8,7 +8,9 @@ annotation stay in training as pure negatives.
 
 Augmentation is the SSD recipe with ``torchvision.transforms.v2`` on ``tv_tensors.BoundingBoxes``
 (photometric distortion, zoom-out, IoU-constrained crop, horizontal flip, resize to the
-square model input), so boxes follow the pixels without hand-written geometry.
+square model input), so boxes follow the pixels without hand-written geometry. Transforms,
+collate functions and :class:`ImageFiles` live in :mod:`datamodules.detection_common`, shared with
+the Pascal VOC datamodule (:mod:`datamodules.voc_detection`), and are importable from here too.
 
 With no ``root`` the datamodule writes the handwritten-digit scenes of
 :mod:`datamodules.demo_scenes` once into the demo cache, in this layout, and reads them
@@ -42,11 +44,13 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import Dataset
 from torchvision import tv_tensors
-from torchvision.transforms import v2
 
 from datamodules.demo import demo_root
-from datamodules.images import (IMAGE_EXTENSIONS, IMAGENET_MEAN, IMAGENET_STD, OnBadImage, collate_skipping, guarded,
-                                list_images, read_rgb)
+# shared with the VOC datamodule; importable from here as before
+from datamodules.detection_common import (ImageFiles, IoUCropWhenBoxes, check_on_bad_image,  # noqa: F401
+                                          collate_detection, collate_images, eval_transform, ssd_train_transform,
+                                          stack_detection, stack_images)
+from datamodules.images import IMAGENET_MEAN, IMAGENET_STD, OnBadImage, guarded, read_rgb
 from datamodules.loaders import SplitLoaders, make_loader
 
 DEMO_VERSION = 1
@@ -91,12 +95,6 @@ def load_coco(annotation_file: Path):
 
 def is_number(value) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
-
-
-def check_on_bad_image(value: str) -> None:
-    # guarded() treats anything but "skip" as "fail": a typo must not silently mean "fail"
-    if value not in ("fail", "skip"):
-        raise ValueError(f"on_bad_image must be 'fail' or 'skip', not {value!r}")
 
 
 class CocoDetection(Dataset):
@@ -234,97 +232,6 @@ class CocoDetection(Dataset):
             **{key: torch.from_numpy(gt[key]) for key in ("gt_boxes", "gt_labels", "gt_iscrowd", "gt_area")},
         })
         return image, target
-
-
-class ImageFiles(Dataset):
-    """Images of a folder (hidden files left out) or one file, for ``predict``.
-
-    Items are ``(image, {"path": str, "orig_size": (height, width)})`` with ``image`` a (3, S, S)
-    float tensor, or ``None`` for an unreadable file under ``on_bad_image="skip"``."""
-
-    def __init__(self, path: Path, transform, on_bad_image: OnBadImage = "fail"):
-        check_on_bad_image(on_bad_image)
-        path = Path(path)
-        if path.is_file():
-            self.files = [path]
-        elif path.is_dir():
-            self.files = list_images(path)
-        else:
-            raise FileNotFoundError(f"predict path {path} is neither an image nor a folder")
-        if not self.files:
-            raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}; hidden files ignored) in {path}")
-        self.transform = transform
-        self.on_bad_image = on_bad_image
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, index: int):
-        path = self.files[index]
-        pixels = guarded(lambda: read_rgb(path), path, self.on_bad_image)
-        if pixels is None:
-            return None
-        info = {"path": str(path), "orig_size": tuple(int(s) for s in pixels.shape[-2:])}
-        return self.transform(tv_tensors.Image(pixels)), info
-
-
-class IoUCropWhenBoxes(v2.RandomIoUCrop):
-    """``RandomIoUCrop`` needs at least one box to constrain the crop; images without objects
-    (negatives) pass through unchanged instead of failing."""
-
-    def forward(self, *inputs):
-        sample = inputs if len(inputs) > 1 else inputs[0]
-        boxes = sample[1]["boxes"] if isinstance(sample, (tuple, list)) and isinstance(sample[1], dict) else None
-        if boxes is not None and len(boxes) == 0:
-            return sample
-        return super().forward(*inputs)
-
-
-def ssd_train_transform(image_size: int, mean: Sequence[float], std: Sequence[float],
-                        zoom_out_max: float = 4.0, iou_crop: bool = True, hflip: float = 0.5) -> v2.Compose:
-    """The SSD recipe's augmentation (Liu et al. 2016, sec. 2.2 / torchvision's SSD preset)."""
-    fill = {tv_tensors.Image: [round(255 * m) for m in mean], "others": 0}
-    steps = [v2.RandomPhotometricDistort(p=0.5)]
-    if zoom_out_max > 1:
-        steps.append(v2.RandomZoomOut(fill=fill, side_range=(1.0, zoom_out_max), p=0.5))
-    if iou_crop:
-        steps.append(IoUCropWhenBoxes())
-    if hflip > 0:
-        steps.append(v2.RandomHorizontalFlip(hflip))
-    steps += [v2.Resize((image_size, image_size), antialias=True), v2.ClampBoundingBoxes(),
-              v2.SanitizeBoundingBoxes(min_size=1.0), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
-    return v2.Compose(steps)
-
-
-def eval_transform(image_size: int, mean: Sequence[float], std: Sequence[float]) -> v2.Compose:
-    """Resize to the square model input (SSD does not keep the aspect ratio)."""
-    return v2.Compose([v2.Resize((image_size, image_size), antialias=True), v2.ClampBoundingBoxes(),
-                       v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
-
-
-def stack_detection(items: list[tuple[torch.Tensor, dict]]) -> dict:
-    """``(image, target)`` items -> ``{"image": (B, 3, S, S), "targets": [B dicts]}``: images stack
-    (all the same size after resizing), targets stay a list (box counts vary)."""
-    images, targets = zip(*items)
-    return {"image": torch.stack(images), "targets": list(targets)}
-
-
-def collate_detection(batch: list) -> dict:
-    """:class:`CocoDetection` items -> ``{"image", "targets", "skipped"}``; ``None`` items
-    (unreadable images under ``on_bad_image="skip"``) are dropped and counted in ``skipped``."""
-    return collate_skipping(batch, collate=stack_detection)
-
-
-def stack_images(items: list[tuple[torch.Tensor, dict]]) -> dict:
-    """:class:`ImageFiles` items -> ``{"image": (B, 3, S, S), "path": [B str], "orig_size": (B, 2) long}``."""
-    images, infos = zip(*items)
-    return {"image": torch.stack(images), "path": [info["path"] for info in infos],
-            "orig_size": torch.tensor([info["orig_size"] for info in infos], dtype=torch.long).reshape(-1, 2)}
-
-
-def collate_images(batch: list) -> dict:
-    """:class:`ImageFiles` items -> ``{"image", "path", "orig_size", "skipped"}``, ``None`` items dropped and counted."""
-    return collate_skipping(batch, collate=stack_images)
 
 
 class CocoDataModule(SplitLoaders, LightningDataModule):

@@ -33,6 +33,7 @@ from datamodules.images import (
     guarded,
     is_hidden,
     list_images,
+    predict_images,
     read_rgb,
 )
 from datamodules.loaders import SplitLoaders, make_loader
@@ -70,34 +71,6 @@ def scan_split(split_dir: Path, classes: Sequence[str] | None = None) -> tuple[l
             raise ValueError(f"class folder {split_dir / name} holds no images (extensions {IMAGE_EXTENSIONS})")
         samples += [(f, index[name]) for f in files]
     return samples, classes
-
-
-def image_tree(folder: Path) -> list[Path]:
-    """Image files in ``folder`` and its sub-folders, sorted; hidden files and folders left out."""
-    files = list_images(folder)
-    for sub in folder.iterdir():
-        if sub.is_dir() and not is_hidden(sub):
-            files += image_tree(sub)
-    return sorted(files)
-
-
-def predict_images(path: Path, recursive: bool = False) -> list[Path]:
-    """The images to predict on: ``path`` itself if it is a file, else the image files in the folder
-    ``path`` (sorted, hidden files left out), with those of its sub-folders if ``recursive``."""
-    path = Path(path).expanduser()
-    if path.is_file():
-        if path.suffix.lower() not in IMAGE_EXTENSIONS:
-            raise ValueError(f"data.predict_path={path} is not an image file "
-                             f"(extensions {', '.join(IMAGE_EXTENSIONS)})")
-        return [path]
-    if not path.is_dir():
-        raise FileNotFoundError(f"data.predict_path={path} does not exist (give an image file or a folder of images)")
-    images = image_tree(path) if recursive else list_images(path)
-    if not images:
-        where = "in it or its sub-folders" if recursive else "directly inside it (sub-folders are not searched)"
-        raise FileNotFoundError(f"data.predict_path={path} holds no images {where} "
-                                f"(extensions {', '.join(IMAGE_EXTENSIONS)})")
-    return images
 
 
 class ImageFolderDataset(Dataset):
@@ -296,7 +269,8 @@ class ImageFolderDataModule(SplitLoaders, LightningDataModule):
 
     @property
     def test_dir(self) -> str:
-        """The labelled test split when the layout has one, else the validation split (DESIGN.md)."""
+        """The split ``test`` scores: ``test_dir`` when ``root`` has that folder (labelled, in the
+        ``<class>/<image>`` layout), else ``val_dir`` (ARCHITECTURE.md: what ``test`` scores)."""
         return self.hparams.test_dir if (self.root / self.hparams.test_dir).is_dir() else self.hparams.val_dir
 
     def _predict_dataset(self) -> ImageFileDataset:

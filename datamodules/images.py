@@ -1,9 +1,10 @@
 """Reading image files, once for every vision datamodule.
 
 One decoder path (torchvision's libjpeg-turbo / libpng, PIL for the formats torchvision does
-not decode), one list of image extensions, one rule for hidden files, and one error that names
-the file. 16-bit images are scaled to 8 bits (``round(v / 257)``) instead of being clipped to
-white, as PIL's ``convert("RGB")`` does.
+not decode), one list of image extensions, one rule for hidden files, one error that names
+the file, and one lister of the images ``predict`` reads (:func:`predict_images`). 16-bit
+images are scaled to 8 bits (``round(v / 257)``) instead of being clipped to white, as PIL's
+``convert("RGB")`` does.
 
 ``on_bad_image`` is the same switch in every vision datamodule: ``"fail"`` stops at the first
 unreadable file with :class:`BadImageError` naming it; ``"skip"`` makes the dataset return
@@ -50,6 +51,36 @@ def is_image_file(path: Path) -> bool:
 def list_images(folder: Path) -> list[Path]:
     """Image files directly inside ``folder``, sorted, hidden files left out."""
     return sorted(p for p in Path(folder).iterdir() if is_image_file(p))
+
+
+def image_tree(folder: Path) -> list[Path]:
+    """Image files in ``folder`` and its sub-folders, sorted; hidden files and folders left out."""
+    files = list_images(folder)
+    for sub in Path(folder).iterdir():
+        if sub.is_dir() and not is_hidden(sub):
+            files += image_tree(sub)
+    return sorted(files)
+
+
+def predict_images(path: Path | str, recursive: bool = False) -> list[Path]:
+    """The images to predict on (``data.predict_path``): ``path`` itself if it is a file, else the
+    image files in the folder ``path`` (sorted, hidden files left out), with those of its
+    sub-folders if ``recursive``. A file that is not an image, a missing path, or a folder without
+    images is an error naming ``data.predict_path``."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        if path.suffix.lower() not in IMAGE_EXTENSIONS:
+            raise ValueError(f"data.predict_path={path} is not an image file "
+                             f"(extensions {', '.join(IMAGE_EXTENSIONS)})")
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"data.predict_path={path} does not exist (give an image file or a folder of images)")
+    images = image_tree(path) if recursive else list_images(path)
+    if not images:
+        where = "in it or its sub-folders" if recursive else "directly inside it (sub-folders are not searched)"
+        raise FileNotFoundError(f"data.predict_path={path} holds no images {where} "
+                                f"(extensions {', '.join(IMAGE_EXTENSIONS)})")
+    return images
 
 
 def _to_uint8(image: torch.Tensor) -> torch.Tensor:

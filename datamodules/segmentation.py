@@ -47,7 +47,6 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from datamodules.demo import demo_root
-from datamodules.imagefolder import predict_images
 from datamodules.images import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -56,6 +55,7 @@ from datamodules.images import (
     collate_skipping,
     guarded,
     list_images,
+    predict_images,
     read_rgb_array,
 )
 from datamodules.loaders import SplitLoaders, make_loader
@@ -139,10 +139,6 @@ def palette_png(stored: np.ndarray) -> Image.Image:
     image = Image.fromarray(np.ascontiguousarray(stored, dtype=np.uint8))
     image.putpalette(voc_palette().tobytes())  # turns the "L" image into "P" with these indices
     return image
-
-
-def voc_format(num_classes: int = len(VOC_CLASSES)) -> MaskFormat:
-    return MaskFormat.of("voc", num_classes)
 
 
 # -- listing samples ---------------------------------------------------------------------------------
@@ -411,10 +407,6 @@ class SegmentationDataModule(SplitLoaders, LightningDataModule):
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
-
-    @property
-    def ignore_index(self) -> int:
-        return IGNORE_INDEX
 
     @property
     def mask_format(self) -> MaskFormat:

@@ -255,7 +255,7 @@ class TaskModule(LightningModule):
             checkpoint["wandb_group"] = group
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if "rng_states" in checkpoint and self.trainer is not None and self.trainer.state.fn == "fit":
+        if "rng_states" in checkpoint and self._trainer is not None and self._trainer.state.fn == "fit":
             set_rng_states(checkpoint["rng_states"])
         saved = checkpoint.get("hyper_parameters", {})
         differing = [f"{arg}: checkpoint {_short(saved[arg])} vs now {_short(value)}"

@@ -129,12 +129,25 @@ class SuiteCLI(LightningCLI):
             sys.argv[1:] = argv
         else:
             args = argv
-        self.argv = argv
         self.checkpoint = read_checkpoint_for(argv, model_class)
+        # --print_config prints while parsing, before the checkpoint's arguments are merged: with a
+        # checkpoint, print once they are (see _parse_ckpt_path), so it shows the model that will run
+        self.print_config_after_checkpoint = self.checkpoint is not None and "--print_config" in argv
+        if self.print_config_after_checkpoint:
+            argv = [a for a in argv if a != "--print_config"]
+            if args is None:
+                sys.argv[1:] = argv
+            else:
+                args = argv
+        self.argv = argv
+        self.default_datamodule = f"{datamodule_class.__module__}.{datamodule_class.__qualname__}"
         self.links = {} if self.checkpoint is not None else dict(getattr(model_class, "DATA_LINKS", {}))
+        # any datamodule class can be chosen from YAML or `--data path.to.Class` (a dataset format is one
+        # file); recipes that give only its arguments get the task's default format
         super().__init__(
             model_class,
-            datamodule_class,
+            LightningDataModule,
+            subclass_mode_data=True,
             save_config_callback=SaveConfigToRun,
             save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
             seed_everything_default=0,
@@ -157,6 +170,7 @@ class SuiteCLI(LightningCLI):
                  "init_args": {"logging_interval": "step"}},
             ],
         })
+        parser.set_defaults({"data": {"class_path": self.default_datamodule}})
         parser.add_lightning_class_args(LatestAndBestCheckpoint, "checkpoint")
         parser.set_defaults({
             "checkpoint.monitor": self.monitor,
@@ -186,9 +200,12 @@ class SuiteCLI(LightningCLI):
         sub = self.config.subcommand
         self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
         overrides = model_overrides(self.argv)
+        subparser = self.parser._subcommands_action._name_parser_map[sub]
         if overrides:
-            subparser = self.parser._subcommands_action._name_parser_map[sub]
             self.config[sub] = subparser.parse_args(overrides, namespace=self.config[sub].clone())
+        if self.print_config_after_checkpoint:
+            sys.stdout.write(subparser.dump(self.config[sub], skip_none=False))
+            sys.exit(0)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config

@@ -1,7 +1,9 @@
 """Object detection: ``python -m tasks.detect {fit,validate,test,predict}``.
 
-SSDLite on any backbone, scored with COCO mAP (torchmetrics ``MeanAveragePrecision`` on the
-faster_coco_eval backend, whose numbers are pycocotools' COCOeval's). `test` writes
+SSDLite on any backbone, scored with the benchmark's metric: COCO mAP for COCO-layout data
+(torchmetrics ``MeanAveragePrecision`` on the faster_coco_eval backend, whose numbers are
+pycocotools' COCOeval's), VOC mAP@0.5 for Pascal VOC (``--data datamodules.voc_detection.VocDetectionDataModule``,
+:class:`tasks.voc_map.VocMeanAveragePrecision`). The datamodule says which (``evaluation_metric``). `test` writes
 ``predictions/detections.json`` (COCO results format: the annotation file's image and
 category ids, ``[x, y, w, h]`` boxes in original-image pixels) and ``predictions/metrics.json``;
 `predict` writes one JSON per image (and, with ``model.draw_predictions``, the image with its
@@ -121,6 +123,17 @@ class DetectionTask(TaskModule):
         self._test_results: list[tuple[int, list[dict]]] = []
         self._predictions: list[dict] = []
 
+    def setup(self, stage: str) -> None:
+        # the benchmark's own metric: COCO mAP for COCO-layout data, VOC mAP@0.5 for Pascal VOC
+        kind = getattr(getattr(self.trainer, "datamodule", None), "evaluation_metric", "coco")
+        if kind == "voc":
+            from tasks.voc_map import VocMeanAveragePrecision
+
+            self.val_map = VocMeanAveragePrecision(num_classes=self.num_classes)
+            self.test_map = VocMeanAveragePrecision(num_classes=self.num_classes)
+        elif kind != "coco":
+            raise ValueError(f"the datamodule asks for evaluation_metric={kind!r}; detection scores 'coco' or 'voc'")
+
     # -- network ----------------------------------------------------------------------------------
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, 3, S, S) -> ``(cls_logits (B, A, C + 1), box_regression (B, A, 4), anchors (A, 4))``."""
@@ -164,7 +177,8 @@ class DetectionTask(TaskModule):
         detections = self.head.postprocess(*outputs, image_size=tuple(images.shape[-2:]))
         detections_orig = self.to_original_pixels(detections, targets, tuple(images.shape[-2:]))
         ground_truth = [{"boxes": t["gt_boxes"], "labels": t["gt_labels"], "iscrowd": t["gt_iscrowd"],
-                         "area": t["gt_area"]} for t in targets]
+                         "area": t["gt_area"], **({"difficult": t["gt_difficult"]} if "gt_difficult" in t else {})}
+                        for t in targets]
         metric.update(detections_orig, ground_truth, [t["image_id"] for t in targets])
         return detections, detections_orig
 
@@ -178,11 +192,11 @@ class DetectionTask(TaskModule):
     def on_validation_epoch_end(self) -> None:
         self._log_map("val", self.val_map)
 
-    def _log_map(self, stage: str, metric: CocoMeanAveragePrecision) -> dict[str, torch.Tensor]:
+    def _log_map(self, stage: str, metric) -> dict[str, torch.Tensor]:
         # compute() already gathers over ranks and counts each image once
         values = metric.compute()
         metric.reset()
-        logged = {f"{stage}/{k}": values[k].float() for k in MAP_KEYS}
+        logged = {f"{stage}/{k}": values[k].float() for k in MAP_KEYS if k in values}
         self.log(f"{stage}/map", logged[f"{stage}/map"], prog_bar=True)
         self.log_dict({k: v for k, v in logged.items() if k != f"{stage}/map"})
         return logged

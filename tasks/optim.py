@@ -11,8 +11,8 @@ Recipes inject the optimizer and scheduler from YAML as LightningCLI callables::
         init_args: {warmup_steps: 20000, warmup_init_lr: 1.0e-6, min_lr: 2.0e-4}
 
 Schedules are stepped every optimizer step (not every epoch), as the paper recipes
-are. ``total_steps`` left unset is filled in from the trainer, so one recipe scales
-to any number of devices and epochs.
+are. ``total_steps`` left unset is filled in from the trainer when training starts
+(``TaskModule.on_train_start``), so one recipe scales to any number of devices and epochs.
 """
 from __future__ import annotations
 
@@ -63,8 +63,12 @@ class WarmupCosineLR(_StepSchedule):
     then cosine annealing to ``min_lr`` at ``total_steps`` (CVNets / timm convention).
 
     Args:
-        total_steps: optimizer steps of the whole run; ``None`` means "ask the trainer"
-            (``TaskModule.configure_optimizers`` fills it in before the first step).
+        total_steps: optimizer steps of the whole run; ``None`` means "ask the trainer":
+            ``TaskModule.on_train_start`` sets it to ``trainer.estimated_stepping_batches``
+            before the first step (not ``configure_optimizers``: that estimate builds the train
+            loader, which must wait until a resumed checkpoint has restored the loop position).
+            Left ``None`` outside a trainer, the cosine phase lasts one step (``min_lr`` one
+            step after warm-up).
         min_lr: absolute floor of the cosine, reached at ``total_steps``.
     """
 

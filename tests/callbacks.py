@@ -15,3 +15,28 @@ class KillAtStep(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class NaNOutputAtStep(Callback):
+    """Makes the task's network output NaN at global step ``step`` (a forward hook on the
+    LightningModule), so the real task's real loss turns non-finite there."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self._handle = None
+
+    @staticmethod
+    def _poison(output):
+        import torch
+
+        if isinstance(output, torch.Tensor):
+            return output * float("nan") if output.is_floating_point() else output
+        if isinstance(output, dict):
+            return {k: NaNOutputAtStep._poison(v) for k, v in output.items()}
+        if isinstance(output, (tuple, list)):
+            return type(output)(NaNOutputAtStep._poison(v) for v in output)
+        return output
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and self._handle is None:
+            self._handle = pl_module.register_forward_hook(lambda module, args, output: self._poison(output))

@@ -1,5 +1,10 @@
-"""The segmentation metric against a plain numpy confusion matrix (DESIGN.md's mIoU definition),
-and the DDP guarantee that every evaluation image is counted exactly once."""
+"""The segmentation metric against a plain numpy confusion matrix, and the DDP guarantee that every
+evaluation image is counted exactly once.
+
+The mIoU definition is mmsegmentation's: one confusion matrix summed over the whole dataset (and
+over ranks), ignore-label pixels left out; IoU_c = TP / (TP + FP + FN) per class, and mIoU the mean
+over the classes present in the truth or the predictions (a class absent from both has NaN IoU and
+is left out), not a mean of per-image scores."""
 from __future__ import annotations
 
 import os

@@ -165,8 +165,9 @@ def test_paper_recipes_run_one_step(recipe, fitted, tmp_path):
 
 @pytest.mark.slow
 def test_two_process_test_equals_one_process(fitted, tmp_path):
-    """DESIGN.md: under DDP every image is counted once. 5 test images on 2 ranks: a padding
-    sampler would score one twice; the scores must equal the 1-process run exactly."""
+    """Under DDP every evaluation image is counted once (an unrepeated sampler, no padding repeats;
+    ARCHITECTURE.md). 5 test images on 2 ranks: a padding sampler would score one twice; the
+    scores must equal the 1-process run exactly."""
     root, run_dir, cache = fitted
     odd = tmp_path / "VOC2012"
     odd.mkdir()

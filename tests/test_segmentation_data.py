@@ -10,10 +10,10 @@ from PIL import Image
 from datamodules.demo_scenes import DIGIT_NAMES
 from datamodules.segmentation import (
     IGNORE_INDEX,
+    VOC_CLASSES,
     MaskFormat,
     SegmentationDataModule,
     read_mask,
-    voc_format,
     voc_palette,
     write_voc_demo,
 )
@@ -191,7 +191,7 @@ def test_ade20k_encoding_round_trip(tmp_path):
 
 
 def test_voc_encoding_writes_palette_png():
-    image = voc_format().encode(np.array([[0, 20], [15, 1]]))
+    image = MaskFormat.of("voc", len(VOC_CLASSES)).encode(np.array([[0, 20], [15, 1]]))
     assert image.mode == "P" and np.asarray(image).tolist() == [[0, 20], [15, 1]]
     assert tuple(voc_palette()[15]) == (192, 128, 128) and tuple(voc_palette()[255]) == (224, 224, 192)
 

@@ -1,0 +1,838 @@
+"""GPU suite (issue 17): training-step throughput of every task's network, one command.
+
+    python benchmarks/gpu_suite.py                  # CUDA machine: the whole suite (time-budgeted, < 10 min)
+    python benchmarks/gpu_suite.py --tiny           # CPU smoke run at toy sizes, < 1 min (tests/test_gpu_suite.py)
+    python benchmarks/gpu_suite.py --check-env      # which optional packages / features are missing
+
+For each task (classify, detect, segment, translate) and each of two recipes -- the demo recipe
+and one paper recipe, at the recipe's full resolution and per-device batch -- it builds the
+recipe's network from the public constructors (``backbones.MobileViTv2``,
+``heads.classifier.ClassifierHead``, ``heads.ssdlite.SSDLiteHead``, ``heads.deeplabv3.DeepLabV3``,
+``backbones.transformer.TransformerEncoder`` + ``heads.seq2seq.TransformerDecoder``) and times its
+training step in a plain loop, in ``bf16-mixed`` and ``16-mixed``, with and without
+``channels_last`` and ``torch.compile``; the same sizes run through the peers in the same process
+(timm ``mobilevitv2_050/100``, torchvision ``ssdlite320_mobilenet_v3_large`` and
+``deeplabv3_mobilenet_v3_large``, random weights: nothing is downloaded).
+
+What is measured: the *training step throughput of the network* -- forward, loss, backward,
+gradient clipping where the recipe clips, the recipe's optimizer step (constant learning rate) --
+under ``torch.autocast`` with the variant's dtype (``GradScaler`` for 16-mixed), on one fixed
+synthetic batch at the recipe's resolution (images uniform in [0, 1], random labels / tokens).
+Data loading, augmentation, metrics, logging and the learning-rate schedule are *not* included
+(see ``bench_loaders.py`` for loaders). Warm-up steps (which include compilation) are excluded
+from timing; the timed steps are bracketed by ``torch.cuda.synchronize``; peak memory is
+``torch.cuda.max_memory_allocated`` over the timed steps (after ``reset_peak_memory_stats``).
+Losses are stand-ins where the real one needs real targets: cross-entropy on random labels for
+classification, per-pixel segmentation and per-token translation (with the recipe's label
+smoothing); for SSDLite, mean square of the class logits + mean square of the box regression
+(the SSD loss needs matched boxes), for ours and the torchvision peer alike. Both detectors run
+their network only (torchvision's resize/normalise transform and its loss are bypassed).
+For the three networks the MobileViTv2 paper gives V100 throughputs for (MobileViTv2-1.0 at
+256, SSDLite-MobileViTv2-0.5 at 320, DeepLabv3-MobileViTv2-0.75 at 512), inference images/s is
+measured too (eval mode, ``torch.no_grad``, same batch, same autocast) and the paper's number
+is printed beside it.
+
+Compilation mirrors ``--model.compile true`` of the tasks: each sub-network (backbone, head;
+encoder, decoder) is compiled in place; a peer is compiled whole. ``cudnn.benchmark`` is on
+(``--no-cudnn-benchmark`` turns it off).
+
+Time budget: a default run plans 40 eager and 40 compiled variants (peers at the paper recipes'
+sizes only; ``--peers all`` adds the demo sizes) -- more than fits in ten minutes when each
+compilation takes ~30-60 s. So each run stops timing after ``--max-run-seconds`` (the ``steps``
+column says how many were timed), and runs go in order of importance: eager at the recipe's own
+settings (bf16-mixed, the recipe's channels_last), eager with one setting changed, compiled at
+the paper recipes' own settings, eager with both changed, compiled demo recipes, the remaining
+compiled variants; paper recipes before demo ones, ours next to its peer. A run whose estimated
+end lies past ``--budget-s`` (default 420 s) is not started and is listed as skipped;
+``--budget-s 0`` runs everything. The files are rewritten after every run, so an interrupted
+suite leaves a valid table.
+
+``--tiny``: the same networks on CPU at toy sizes (2 images of 32 px, 2 sentences of 8 tokens,
+at most 2,000 words of vocabulary), 1 warm-up + 2 timed steps, 1 torch thread, each recipe in
+its own layout (``--channels-last recipe``), no compilation unless ``--compile off on``;
+16-mixed rows are skipped with a note (fp16 autocast with GradScaler is a GPU setting). It
+exists so that the suite cannot rot (``tests/test_gpu_suite.py``); its numbers mean nothing.
+
+Outputs (``--output``, default ``benchmarks/gpu_results/``; ``--tiny``: its ``tiny/`` folder):
+``gpu_suite.md`` (one Markdown table) and ``gpu_suite.json`` (every row, the loss curve
+subsampled, the settings and the machine).
+
+Nothing beyond torch is required: torchvision and timm give the peers (their rows are skipped
+with a note if missing), triton is needed for compiled rows on CUDA, PyYAML for checking the
+suite's copy of the recipe sizes against ``configs/*/*.yaml``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib
+import importlib.util
+import json
+import math
+import platform
+import shutil
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TASKS = ("classify", "detect", "segment", "translate")
+RECIPE_NAMES = ("demo", "paper")
+PRECISIONS = ("bf16-mixed", "16-mixed")
+DEFAULT_OUTPUT = REPO / "benchmarks" / "gpu_results"
+
+MEASURED = ("training step throughput of the network: forward, loss, backward, gradient clipping as the recipe, "
+            "optimizer step, under torch.autocast (GradScaler for 16-mixed), on one fixed synthetic batch at the "
+            "recipe's resolution and per-device batch; no data loading, augmentation, metrics or logging")
+LOSSES = ("cross-entropy on random labels (classification; segmentation per pixel; translation per target token; "
+          "label smoothing as the recipe); SSDLite: mean square of class logits + mean square of box regression "
+          "(stand-in, the SSD loss needs matched boxes), for ours and the torchvision peer alike")
+
+
+# --------------------------------------------------------------------------------------------------
+# imports of the project's networks: public paths first, then where a refactor may have moved them
+# --------------------------------------------------------------------------------------------------
+IMPORTS_USED: dict[str, str] = {}
+
+
+def _candidates(package: str, module: str) -> list[str]:
+    return [f"{package}.{module}", package, f"layers.{module}", f"layers.{package}.{module}", f"layers.{package}",
+            "layers"]
+
+
+def load(attr: str, package: str, module: str):
+    """``attr`` from ``package.module`` (or ``package``), else from a ``layers/`` package; which one
+    was used goes into the output, and a failure names every place tried."""
+    errors = []
+    for name in _candidates(package, module):
+        try:
+            obj = getattr(importlib.import_module(name), attr)
+        except Exception as error:  # a half-refactored module may raise anything at import
+            errors.append(f"{name}: {type(error).__name__}: {error}")
+            continue
+        if attr not in IMPORTS_USED:
+            IMPORTS_USED[attr] = f"{name}.{attr}"
+            if name not in (f"{package}.{module}", package):
+                print(f"note: {attr} was not at {package}.{module}; using {name}.{attr}", file=sys.stderr)
+        return obj
+    raise ImportError(f"{attr} not found; tried " + " | ".join(errors))
+
+
+# --------------------------------------------------------------------------------------------------
+# recipes: the suite's copy of each recipe's network, resolution, batch and optimizer
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class Recipe:
+    task: str
+    name: str                 # "demo" | "paper"
+    source: str               # the YAML whose sizes are copied here
+    network: str              # label of our network
+    peer: str | None          # label of the peer network (None: no peer)
+    batch: int                # per-device batch (sentences for translation)
+    size: int                 # image side; translation: tokens per source and per target sentence
+    arch: dict                # architecture arguments
+    optimizer: tuple[str, dict]
+    clip: float = 0.0         # gradient_clip_val of the recipe
+    label_smoothing: float = 0.0
+    channels_last: bool = False  # the recipe's own setting
+    paper_v100: float | None = None  # MobileViTv2 paper, V100 images/s
+    check: dict = field(default_factory=dict)  # dotted YAML keys -> the value used here
+    note: str = ""            # shown on our rows
+    size_note: str = ""       # about the full sizes (dropped by --tiny)
+
+    @property
+    def unit(self) -> str:
+        return "tok/s" if self.task == "translate" else "img/s"
+
+    @property
+    def items_per_step(self) -> int:
+        return self.batch * self.size if self.task == "translate" else self.batch
+
+    @property
+    def input(self) -> str:
+        if self.task == "translate":
+            return f"{self.batch}x({self.size}+{self.size}) tok"
+        return f"{self.batch}x{self.size}²"
+
+
+ADAMW = "torch.optim.AdamW"
+RECIPES: list[Recipe] = [
+    Recipe("classify", "demo", "configs/classify/demo_mobilevitv2.yaml", "MobileViTv2-0.5", "timm mobilevitv2_050",
+           batch=32, size=64, arch=dict(width=0.5, num_classes=10, dropout=0.1, timm="mobilevitv2_050"),
+           optimizer=(ADAMW, dict(lr=0.004, weight_decay=0.05)), clip=10.0, label_smoothing=0.1,
+           check={"data.image_size": 64, "data.batch_size": 32, "model.backbone.init_args.width": 0.5}),
+    Recipe("classify", "paper", "configs/classify/imagenet_mobilevitv2_100.yaml", "MobileViTv2-1.0",
+           "timm mobilevitv2_100", batch=128, size=256,
+           arch=dict(width=1.0, num_classes=1000, dropout=0.0, timm="mobilevitv2_100"),
+           optimizer=(ADAMW, dict(lr=0.002, betas=(0.9, 0.999), weight_decay=0.05)), clip=10.0,
+           label_smoothing=0.1, channels_last=True, paper_v100=2351,
+           check={"data.image_size": 256, "data.batch_size": 128, "model.backbone.init_args.width": 1.0}),
+    Recipe("detect", "demo", "configs/detect/demo_ssdlite_mobilevitv2.yaml", "SSDLite-MobileViTv2-0.5",
+           "torchvision ssdlite320_mobilenet_v3_large", batch=16, size=128,
+           arch=dict(width=0.5, num_classes=10,
+                     head=dict(output_strides=[8, 16, 32, 64], proj_channels=[128, 128, 128, 64],
+                               aspect_ratios=[[2, 3], [2, 3], [2, 3], [2]], min_scale=0.12, max_scale=0.7)),
+           optimizer=(ADAMW, dict(lr=0.002, weight_decay=0.05)), clip=10.0,
+           check={"data.image_size": 128, "data.batch_size": 16, "model.backbone.init_args.width": 0.5}),
+    Recipe("detect", "paper", "configs/detect/coco_ssdlite_mobilevitv2_050.yaml", "SSDLite-MobileViTv2-0.5",
+           "torchvision ssdlite320_mobilenet_v3_large", batch=32, size=320,
+           arch=dict(width=0.5, num_classes=80, head={}),
+           optimizer=(ADAMW, dict(lr=0.0009, betas=(0.9, 0.999), weight_decay=0.05)), channels_last=True,
+           paper_v100=2782,
+           check={"data.image_size": 320, "data.batch_size": 32, "model.backbone.init_args.width": 0.5}),
+    Recipe("segment", "demo", "configs/segment/demo_deeplabv3_mobilevitv2.yaml", "DeepLabv3-MobileViTv2-0.5",
+           "torchvision deeplabv3_mobilenet_v3_large", batch=8, size=96,
+           arch=dict(width=0.5, output_stride=8, num_classes=11, channels=64, atrous_rates=[2, 4, 6]),
+           optimizer=(ADAMW, dict(lr=0.002, weight_decay=0.01)), clip=10.0,
+           check={"data.crop_size": 96, "data.batch_size": 8, "model.backbone.init_args.width": 0.5,
+                  "model.head.init_args.channels": 64}),
+    Recipe("segment", "paper", "configs/segment/ade20k_deeplabv3_mobilevitv2_100.yaml", "DeepLabv3-MobileViTv2-0.75",
+           "torchvision deeplabv3_mobilenet_v3_large", batch=4, size=512,
+           arch=dict(width=0.75, output_stride=8, num_classes=150, channels=512, atrous_rates=[12, 24, 36]),
+           optimizer=("torch.optim.SGD", dict(lr=0.02, momentum=0.9, weight_decay=1e-4)), clip=10.0,
+           channels_last=True, paper_v100=241,
+           check={"data.crop_size": 512, "data.batch_size": 4, "model.head.init_args.channels": 512},
+           note="ADE20k recipe at width 0.75 (the paper's throughput row), random init"),
+    Recipe("translate", "demo", "configs/translate/demo_transformer.yaml", "Transformer 256/2+2", None,
+           batch=32, size=16,
+           arch=dict(vocab_size=2000, dim=256, encoder_depth=2, decoder_depth=2, num_heads=4, ffn_dim=1024,
+                     dropout=0.1, max_positions=128),
+           optimizer=("torch.optim.Adam", dict(lr=0.001, betas=(0.9, 0.98), eps=1e-9)), clip=1.0,
+           label_smoothing=0.1,
+           check={"model.dim": 256, "model.encoder_depth": 2, "data.vocab_size": 2000, "data.max_tokens": 512},
+           size_note="512 tokens per side = data.max_tokens"),
+    Recipe("translate", "paper", "configs/translate/wmt14_en_de_transformer_base.yaml", "Transformer base", None,
+           batch=97, size=32,
+           arch=dict(vocab_size=32000, dim=512, encoder_depth=6, decoder_depth=6, num_heads=8, ffn_dim=2048,
+                     dropout=0.1, max_positions=256),
+           optimizer=("torch.optim.Adam", dict(lr=0.000699, betas=(0.9, 0.98), eps=1e-9)), label_smoothing=0.1,
+           check={"model.dim": 512, "model.encoder_depth": 6, "data.vocab_size": 32000, "data.max_tokens": 3125},
+           size_note="3,104 tokens per side ~ data.max_tokens 3125"),
+]
+
+
+def tiny(recipe: Recipe) -> Recipe:
+    """Toy sizes for the CPU smoke run: the same networks, 2 images of 32 px or 2 sentences of 8 tokens
+    (and at most 2,000 words of vocabulary: the vocabulary comes from the data, not the architecture)."""
+    if recipe.task == "translate":
+        arch = dict(recipe.arch, vocab_size=min(recipe.arch["vocab_size"], 2000))
+        return dataclasses.replace(recipe, batch=2, size=8, arch=arch, size_note="")
+    return dataclasses.replace(recipe, batch=2, size=32, size_note="")
+
+
+def recipe_drift(recipe: Recipe) -> list[str]:
+    """Where the YAML recipe no longer says what the suite copied (the suite keeps running on its copy)."""
+    try:
+        import yaml
+    except ImportError:
+        return []
+    path = REPO / recipe.source
+    if not path.exists():
+        return [f"{recipe.source} not found: the {recipe.task} {recipe.name} row uses the suite's copy of its sizes"]
+    try:
+        config = yaml.safe_load(path.read_text())
+    except Exception as error:
+        return [f"{recipe.source} unreadable ({type(error).__name__}): the suite uses its copy"]
+    notes = []
+    for key, want in recipe.check.items():
+        node = config
+        for part in key.split("."):
+            node = node.get(part, KeyError) if isinstance(node, dict) else KeyError
+        if node is not KeyError and node != want:
+            notes.append(f"{recipe.source}: {key} is {node!r}, the suite uses {want!r}")
+    return notes
+
+
+# --------------------------------------------------------------------------------------------------
+# networks: (inputs...) -> outputs, sub-networks as children (each is compiled in place, as the tasks do)
+# --------------------------------------------------------------------------------------------------
+class Classifier(nn.Module):
+    def __init__(self, width: float, num_classes: int, dropout: float):
+        super().__init__()
+        self.backbone = load("MobileViTv2", "backbones", "mobilevitv2")(width=width)
+        self.head = load("ClassifierHead", "heads", "classifier")(self.backbone.num_features, num_classes, dropout)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone.forward_pooled(images))
+
+
+class Detector(nn.Module):
+    def __init__(self, width: float, num_classes: int, head: dict):
+        super().__init__()
+        self.backbone = load("MobileViTv2", "backbones", "mobilevitv2")(width=width)
+        self.head = load("SSDLiteHead", "heads", "ssdlite")(self.backbone.feature_channels, num_classes, **head)
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cls_logits, box_regression, _anchors = self.head(self.backbone(images))
+        return cls_logits, box_regression
+
+
+class Segmenter(nn.Module):
+    """Backbone + DeepLabv3 + upsampling to the input size, as the segmentation task runs them."""
+
+    def __init__(self, width: float, output_stride: int, num_classes: int, channels: int, atrous_rates: list[int]):
+        super().__init__()
+        self.backbone = load("MobileViTv2", "backbones", "mobilevitv2")(width=width, output_stride=output_stride)
+        self.head = load("DeepLabV3", "heads", "deeplabv3")(self.backbone.feature_channels, num_classes,
+                                                           channels=channels, atrous_rates=atrous_rates, dropout=0.1)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        out = self.head(self.backbone(images))["out"]
+        return F.interpolate(out, size=images.shape[-2:], mode="bilinear", align_corners=False)
+
+
+class Seq2Seq(nn.Module):
+    """Encoder + decoder with shared embeddings (teacher forcing): src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
+
+    def __init__(self, vocab_size: int, dim: int, encoder_depth: int, decoder_depth: int, num_heads: int,
+                 ffn_dim: int, dropout: float, max_positions: int):
+        super().__init__()
+        common = dict(vocab_size=vocab_size, dim=dim, num_heads=num_heads, ffn_dim=ffn_dim, dropout=dropout,
+                      max_positions=max_positions, pad_id=0)
+        self.encoder = load("TransformerEncoder", "backbones", "transformer")(depth=encoder_depth, **common)
+        shared = getattr(getattr(self.encoder, "embed", None), "tokens", None)
+        self.decoder = load("TransformerDecoder", "heads", "seq2seq")(depth=decoder_depth, embed_tokens=shared,
+                                                                      **common)
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        memory, padding = self.encoder(src)
+        return self.decoder(tgt_in, memory, padding)
+
+
+class TimmPeer(nn.Module):
+    def __init__(self, name: str, num_classes: int, dropout: float):
+        super().__init__()
+        import timm
+
+        self.model = timm.create_model(name, pretrained=False, num_classes=num_classes, drop_rate=dropout)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images)
+
+
+class TorchvisionSSDLite(nn.Module):
+    """torchvision's SSDLite320-MobileNetV3-Large network (backbone + head), no transform, no loss."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        from torchvision.models.detection import ssdlite320_mobilenet_v3_large
+
+        model = ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=num_classes + 1)
+        self.backbone, self.head = model.backbone, model.head
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.head(list(self.backbone(images).values()))
+        return out["cls_logits"], out["bbox_regression"]
+
+
+class TorchvisionDeepLab(nn.Module):
+    """torchvision's DeepLabv3-MobileNetV3-Large (random weights, no aux head); upsamples to the input itself."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        from torchvision.models.segmentation import deeplabv3_mobilenet_v3_large
+
+        self.model = deeplabv3_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=num_classes,
+                                                  aux_loss=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images)["out"]
+
+
+def build_network(recipe: Recipe, kind: str) -> nn.Module:
+    a = recipe.arch
+    if recipe.task == "classify":
+        if kind == "peer":
+            return TimmPeer(a["timm"], a["num_classes"], a["dropout"])
+        return Classifier(a["width"], a["num_classes"], a["dropout"])
+    if recipe.task == "detect":
+        return TorchvisionSSDLite(a["num_classes"]) if kind == "peer" else Detector(a["width"], a["num_classes"],
+                                                                                    a["head"])
+    if recipe.task == "segment":
+        if kind == "peer":
+            return TorchvisionDeepLab(a["num_classes"])
+        return Segmenter(a["width"], a["output_stride"], a["num_classes"], a["channels"], a["atrous_rates"])
+    if recipe.task == "translate":
+        return Seq2Seq(**a)
+    raise ValueError(recipe.task)
+
+
+def make_batch(recipe: Recipe, device: torch.device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """(network inputs, targets) of one synthetic batch; seeded, so every variant sees the same one."""
+    gen = torch.Generator().manual_seed(0)
+    b, s = recipe.batch, recipe.size
+    if recipe.task == "translate":
+        vocab = recipe.arch["vocab_size"]
+        src, tgt_in, tgt_out = (torch.randint(4, vocab, (b, s), generator=gen) for _ in range(3))
+        return (src.to(device), tgt_in.to(device)), tgt_out.to(device)
+    images = torch.rand(b, 3, s, s, generator=gen).to(device)
+    k = recipe.arch["num_classes"]
+    if recipe.task == "classify":
+        return (images,), torch.randint(0, k, (b,), generator=gen).to(device)
+    if recipe.task == "segment":
+        return (images,), torch.randint(0, k, (b, s, s), generator=gen).to(device)
+    return (images,), None
+
+
+def compute_loss(recipe: Recipe, outputs, target: torch.Tensor | None) -> torch.Tensor:
+    if recipe.task == "detect":
+        return sum(o.float().pow(2).mean() for o in outputs)
+    if recipe.task == "translate":
+        return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), target.reshape(-1), ignore_index=0,
+                               label_smoothing=recipe.label_smoothing)
+    return F.cross_entropy(outputs, target, label_smoothing=recipe.label_smoothing)
+
+
+def make_optimizer(recipe: Recipe, params) -> torch.optim.Optimizer:
+    path, kwargs = recipe.optimizer
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)(params, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# one run: a network x precision x channels_last x compile
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    recipe: Recipe
+    kind: str                 # "ours" | "peer"
+    precision: str
+    channels_last: bool
+    compile: bool
+
+    @property
+    def network(self) -> str:
+        return self.recipe.network if self.kind == "ours" else self.recipe.peer
+
+    @property
+    def deviations(self) -> int:
+        """How far from the recipe's own setting (bf16-mixed on GPU, its channels_last)."""
+        return int(self.precision != "bf16-mixed") + int(self.channels_last != self.recipe.channels_last)
+
+    def priority(self) -> tuple:
+        paper = self.recipe.name == "paper"
+        if not self.compile:
+            tier = {0: 0, 1: 1, 2: 3}[self.deviations]
+        elif self.deviations == 0:
+            tier = 2 if paper else 4
+        else:
+            tier = 5 if paper and self.deviations == 1 else 6
+        return (tier, RECIPE_NAMES.index(self.recipe.name) * -1, TASKS.index(self.recipe.task),
+                PRECISIONS.index(self.precision) if self.precision in PRECISIONS else 9, self.channels_last,
+                self.kind != "ours")
+
+    def order(self) -> tuple:
+        return (TASKS.index(self.recipe.task), RECIPE_NAMES.index(self.recipe.name),
+                PRECISIONS.index(self.precision) if self.precision in PRECISIONS else 9, self.compile,
+                self.channels_last, self.kind != "ours")
+
+
+def base_row(run: Run) -> dict:
+    r = run.recipe
+    return {
+        "task": r.task, "recipe": r.name, "recipe_source": r.source, "kind": run.kind, "network": run.network,
+        "batch": r.batch, "size": r.size, "input": r.input, "unit": r.unit, "precision": run.precision,
+        "channels_last": run.channels_last, "compile": run.compile, "status": "pending",
+        "note": "; ".join(filter(None, [r.note, r.size_note])) if run.kind == "ours" else "",
+        "params_m": None, "warmup_steps": 0, "warmup_s": None, "steps": 0, "train_s": None, "train_per_s": None,
+        "peak_mem_mb": None, "loss_first": None, "loss_last": None, "loss_curve": [], "infer_per_s": None,
+        "paper_v100_infer": r.paper_v100 if run.kind == "ours" else None,
+    }
+
+
+def skip_reason(run: Run, device: torch.device, args) -> str | None:
+    if run.precision == "16-mixed" and device.type != "cuda":
+        return "16-mixed skipped on CPU (fp16 autocast with GradScaler is a GPU setting)"
+    if run.precision == "bf16-mixed" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return "this GPU has no bf16"
+    if run.compile and device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        return "torch.compile on CUDA needs triton (not installed)"
+    if run.compile and device.type == "cpu" and not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        return "torch.compile on CPU needs a C++ compiler"
+    if run.kind == "peer" and run.recipe.task == "classify" and importlib.util.find_spec("timm") is None:
+        return "timm not installed (peer)"
+    if run.kind == "peer" and importlib.util.find_spec("torchvision") is None:
+        return "torchvision not installed (peer)"
+    return None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(run: Run, args, device: torch.device) -> dict:
+    row = base_row(run)
+    reason = skip_reason(run, device, args)
+    if reason:
+        row.update(status="skipped", note=reason)
+        return row
+    recipe = run.recipe
+    try:
+        torch.manual_seed(0)
+        model = build_network(recipe, run.kind).to(device)
+        row["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 3)
+        if run.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        optimizer = make_optimizer(recipe, model.parameters())
+        if run.compile:
+            for child in model.children():
+                if any(True for _ in child.parameters()):
+                    child.compile()
+        inputs, target = make_batch(recipe, device)
+        if run.channels_last:
+            inputs = tuple(x.contiguous(memory_format=torch.channels_last) for x in inputs)
+        dtype = torch.bfloat16 if run.precision == "bf16-mixed" else torch.float16
+        scaler = torch.amp.GradScaler(device.type, enabled=run.precision == "16-mixed")
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def step() -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=dtype):
+                loss = compute_loss(recipe, model(*inputs), target)
+            scaler.scale(loss).backward()
+            if recipe.clip:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(params, recipe.clip)
+            scaler.step(optimizer)
+            scaler.update()
+            return loss.detach()
+
+        model.train()
+        losses = []
+        # compiled SSDLite recompiles once, on its second call (the anchor cache is filled on the first)
+        warmup = max(args.warmup, 2) if run.compile else args.warmup
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(warmup):
+            losses.append(step())
+        sync(device)
+        row.update(warmup_steps=warmup, warmup_s=round(time.perf_counter() - start, 3))
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        sync(device)
+        start = time.perf_counter()
+        steps = 0
+        while steps < args.steps:
+            losses.append(step())
+            steps += 1
+            if args.max_run_seconds and time.perf_counter() - start > args.max_run_seconds:
+                break
+        sync(device)
+        seconds = time.perf_counter() - start
+        curve = torch.stack(losses).float().cpu()
+        row.update(steps=steps, train_s=round(seconds, 4), train_per_s=steps * recipe.items_per_step / seconds,
+                   loss_first=float(curve[0]), loss_last=float(curve[-1]),
+                   loss_curve=[round(float(v), 5) for v in curve[:: max(1, math.ceil(len(curve) / 20))]])
+        if device.type == "cuda":
+            row["peak_mem_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+        if steps < args.steps:
+            row["note"] = "; ".join(filter(None, [row["note"], f"timing stopped after {args.max_run_seconds:g} s"]))
+        if not all(math.isfinite(v) for v in (row["loss_first"], row["loss_last"])):
+            row["note"] = "; ".join(filter(None, [row["note"], "non-finite loss"]))
+
+        if recipe.paper_v100 is not None and (not run.compile or args.infer_compiled):
+            row["infer_per_s"] = infer_rate(model, inputs, dtype, args, device) * recipe.batch
+        elif recipe.paper_v100 is not None:
+            row["note"] = "; ".join(filter(None, [row["note"], "inference: eager rows only (--infer-compiled)"]))
+        row["status"] = "ok"
+    except Exception as error:
+        traceback.print_exc()
+        row.update(status="error", note=f"{type(error).__name__}: {error}".replace("\n", " ")[:400])
+    return row
+
+
+def release(device: torch.device) -> None:
+    """Free what the last run left (called once its frame, model and optimizer are gone)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch.compiler.reset()
+
+
+def infer_rate(model: nn.Module, inputs, dtype, args, device: torch.device) -> float:
+    """Batches per second in eval mode, no grad, same autocast."""
+    model.eval()
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype):
+        for _ in range(args.infer_warmup):
+            model(*inputs)
+        sync(device)
+        start, n = time.perf_counter(), 0
+        while n < args.infer_steps:
+            model(*inputs)
+            n += 1
+            if args.max_run_seconds and time.perf_counter() - start > args.max_run_seconds / 2:
+                break
+        sync(device)
+        seconds = time.perf_counter() - start
+    model.train()
+    return n / seconds
+
+
+# --------------------------------------------------------------------------------------------------
+# output
+# --------------------------------------------------------------------------------------------------
+def fmt(value, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-" if value is None else str(value)
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 1:
+        return f"{value:.1f}"
+    return f"{value:.{digits}g}"
+
+
+def peer_ratio(row: dict, rows: list[dict]) -> float | None:
+    if row["kind"] != "ours" or row["status"] != "ok":
+        return None
+    for other in rows:
+        if (other["kind"] == "peer" and other["status"] == "ok"
+                and all(other[k] == row[k] for k in ("task", "recipe", "precision", "channels_last", "compile"))):
+            return row["train_per_s"] / other["train_per_s"]
+    return None
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [
+        "# GPU suite (issue 17)",
+        "",
+        f"`{meta['command']}`",
+        "",
+        f"- machine: {meta['device_name']}; torch {meta['torch']}"
+        + (f", CUDA {meta['cuda']}, cudnn.benchmark {meta['cudnn_benchmark']}" if meta["device"] != "cpu" else "")
+        + f"; {meta['started']}; wall time {meta['wall_s']:.0f} s",
+        f"- measured: {MEASURED}",
+        f"- loss: {LOSSES}",
+        f"- steps: {meta['warmup']} untimed warm-up steps (they include compilation), then up to {meta['steps']} "
+        f"timed ones" + (f", timing stopped after {meta['max_run_seconds']:g} s" if meta["max_run_seconds"] else "")
+        + f"; time budget: {str(meta['budget_s']) + ' s' if meta['budget_s'] else 'none'}",
+        "- infer: eval mode, no grad, same batch and autocast; *paper V100*: MobileViTv2 paper's throughput for "
+        "that network (measured on a V100; compare with the infer column, not train)",
+        "- ours/peer: training throughput ratio against the peer row of the same variant (> 1: ours faster)",
+    ]
+    if meta.get("imports_moved"):
+        lines.append(f"- imports found outside their public path: {meta['imports_moved']}")
+    if meta.get("recipe_drift"):
+        lines.append("- recipe drift (the suite ran its own copy): " + "; ".join(meta["recipe_drift"]))
+    lines += [
+        "",
+        "| task | recipe | network | params M | batch x input | precision | ch.last | compile | steps "
+        "| train | peak GPU MB | loss first → last | infer | paper V100 infer | ours/peer | note |",
+        "| --- | --- | --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |",
+    ]
+    for row in rows:
+        ok = row["status"] == "ok"
+        unit = row["unit"]
+        ratio = peer_ratio(row, rows)
+        loss = f"{row['loss_first']:.4g} → {row['loss_last']:.4g}" if ok else "-"
+        note = {"error": f"**error**: {row['note']}", "pending": "not run (interrupted?)"}.get(row["status"],
+                                                                                           row["note"])
+        lines.append(
+            f"| {row['task']} | {row['recipe']} | {row['network']} | {fmt(row['params_m'])} | {row['input']} "
+            f"| {row['precision']} | {'on' if row['channels_last'] else 'off'} | {'on' if row['compile'] else 'off'} "
+            f"| {row['steps'] if ok else '-'} | {fmt(row['train_per_s']) + ' ' + unit if ok else '-'} "
+            f"| {fmt(row['peak_mem_mb'])} "
+            f"| {loss} "
+            f"| {fmt(row['infer_per_s']) + ' img/s' if row['infer_per_s'] else '-'} | {fmt(row['paper_v100_infer'])} "
+            f"| {'-' if ratio is None else f'{ratio:.2f}'} | {note.replace('|', '/')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(output: Path, rows: list[dict], meta: dict) -> None:
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "gpu_suite.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (output / "gpu_suite.md").write_text(markdown(rows, meta))
+
+
+# --------------------------------------------------------------------------------------------------
+# environment check
+# --------------------------------------------------------------------------------------------------
+def check_env() -> int:
+    def version(name: str) -> str | None:
+        if importlib.util.find_spec(name) is None:
+            return None
+        try:
+            return getattr(importlib.import_module(name), "__version__", "installed")
+        except Exception as error:
+            return f"broken ({type(error).__name__}: {error})"
+
+    needed = {"torch": "everything"}
+    optional = {
+        "torchvision": "detection and segmentation peers",
+        "timm": "classification peer (mobilevitv2_050/100)",
+        "triton": "compiled rows on CUDA (torch.compile's GPU backend)",
+        "yaml": "checking the suite's copy of recipe sizes against configs/*/*.yaml (PyYAML)",
+    }
+    missing_needed, missing_optional = [], []
+    print("package       version          used for")
+    for table, missing in ((needed, missing_needed), (optional, missing_optional)):
+        for name, use in table.items():
+            v = version(name)
+            print(f"{name:<13} {v or 'MISSING':<16} {use}")
+            if v is None:
+                missing.append(name)
+    compiler = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    print(f"{'C++ compiler':<13} {compiler or 'MISSING':<16} compiled rows on CPU (--tiny --compile on)")
+    if compiler is None:
+        missing_optional.append("a C++ compiler")
+    if torch.cuda.is_available():
+        print(f"CUDA: {torch.cuda.get_device_name()} (capability {torch.cuda.get_device_capability()}), "
+              f"CUDA {torch.version.cuda}, bf16 {'yes' if torch.cuda.is_bf16_supported() else 'NO'}")
+    else:
+        print(f"CUDA: not available (torch {torch.__version__}, built for CUDA {torch.version.cuda}): "
+              "only --tiny runs here")
+    print(f"missing optional: {', '.join(missing_optional) if missing_optional else 'none'}")
+    if missing_needed:
+        print(f"missing required: {', '.join(missing_needed)}")
+    return 1 if missing_needed else 0
+
+
+# --------------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------------
+def on_off(values: list[str]) -> list[bool]:
+    return sorted({v == "on" for v in values})
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: toy sizes, 1 warm-up + 2 timed steps")
+    p.add_argument("--check-env", action="store_true", help="print missing optional packages and exit")
+    p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
+    p.add_argument("--recipes", nargs="+", choices=RECIPE_NAMES, default=list(RECIPE_NAMES))
+    p.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    p.add_argument("--channels-last", nargs="+", choices=["off", "on", "recipe"], default=None,
+                   help="image tasks only (translation runs without); 'recipe': the recipe's own setting "
+                        "(on for the paper recipes, off for the demos). Default: off on (GPU), recipe (--tiny)")
+    p.add_argument("--compile", nargs="+", choices=["off", "on"], default=None,
+                   help="default: off on (GPU), off (--tiny)")
+    p.add_argument("--peers", choices=["paper", "all", "none"], default="paper",
+                   help="run the peers at the paper recipes' sizes (default), at every recipe's, or not at all")
+    p.add_argument("--steps", type=int, default=None, help="timed training steps per run (default 200; --tiny 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (default 10; --tiny 1)")
+    p.add_argument("--max-run-seconds", type=float, default=None,
+                   help="stop a run's timing after this many seconds (default 4; --tiny: no limit; 0: none)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no run that would end past this many seconds (default 420; --tiny: none; 0: none)")
+    p.add_argument("--infer-steps", type=int, default=None, help="timed inference batches (default 50; --tiny 1)")
+    p.add_argument("--infer-compiled", action="store_true",
+                   help="also time inference in compiled rows (recompiles each network for eval mode)")
+    p.add_argument("--device", default=None, help="default: cuda if available; --tiny: cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU; --tiny default 1)")
+    p.add_argument("--no-cudnn-benchmark", action="store_true")
+    p.add_argument("--output", type=Path, default=None,
+                   help=f"default {DEFAULT_OUTPUT.relative_to(REPO)}/ (--tiny: its tiny/ folder)")
+    args = p.parse_args(argv)
+    gpu_defaults = dict(channels_last=["off", "on"], compile=["off", "on"], steps=200, warmup=10,
+                        max_run_seconds=4.0, budget_s=420.0, infer_steps=50, output=DEFAULT_OUTPUT)
+    tiny_defaults = dict(channels_last=["recipe"], compile=["off"], steps=2, warmup=1, max_run_seconds=0.0,
+                         budget_s=0.0, infer_steps=1,
+                         output=DEFAULT_OUTPUT / "tiny")
+    for key, value in (tiny_defaults if args.tiny else gpu_defaults).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.infer_warmup = 1 if args.tiny else 5
+    return args
+
+
+def plan(args) -> list[Run]:
+    runs = []
+    for recipe in RECIPES:
+        if recipe.task not in args.tasks or recipe.name not in args.recipes:
+            continue
+        if args.tiny:
+            recipe = tiny(recipe)
+        kinds = ["ours"]
+        if recipe.peer and (args.peers == "all" or (args.peers == "paper" and recipe.name == "paper")):
+            kinds.append("peer")
+        layouts = sorted({recipe.channels_last if v == "recipe" else v == "on" for v in args.channels_last})
+        if recipe.task == "translate":
+            layouts = [False]
+        for precision in args.precisions:
+            for channels_last in layouts:
+                for compiled in on_off(args.compile):
+                    for kind in kinds:
+                        runs.append(Run(recipe, kind, precision, channels_last, compiled))
+    return runs
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.check_env:
+        return check_env()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu"))
+    if device.type == "cpu" and not args.tiny and not args.device:
+        print("no CUDA device: full-size runs would take hours on CPU. Use --tiny (or --device cpu to insist).",
+              file=sys.stderr)
+        return 2
+    if args.threads or args.tiny:
+        # one thread for the smoke run: on a shared 2-core machine OpenMP's spinning made 2 threads 10x slower
+        torch.set_num_threads(args.threads or 1)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
+
+    runs = plan(args)
+    drift = sorted({note for run in runs for note in recipe_drift(run.recipe)})
+    for note in drift:
+        print(f"recipe drift: {note}", file=sys.stderr)
+    meta = {
+        "command": "python benchmarks/gpu_suite.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads)",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device.type == "cuda" else None,
+        "steps": args.steps, "warmup": args.warmup, "max_run_seconds": args.max_run_seconds,
+        "budget_s": args.budget_s, "tiny": args.tiny, "measured": MEASURED, "loss": LOSSES,
+        "recipe_drift": drift, "imports": IMPORTS_USED, "wall_s": 0.0,
+    }
+    print(f"{len(runs)} runs on {meta['device_name']}; output {args.output}", flush=True)
+    rows: dict[int, dict] = {id(run): base_row(run) for run in runs}
+    start = time.perf_counter()
+    compile_estimate = 60.0
+    for i, run in enumerate(sorted(runs, key=Run.priority), 1):
+        elapsed = time.perf_counter() - start
+        estimate = 3.0 + (args.max_run_seconds or 0) * 1.5 + (compile_estimate if run.compile else 0)
+        if args.budget_s and elapsed + estimate > args.budget_s:
+            row = base_row(run)
+            row.update(status="skipped", note=f"time budget (--budget-s {args.budget_s:g})")
+        else:
+            row = measure(run, args, device)
+            release(device)
+            if run.compile and row["warmup_s"]:
+                compile_estimate = max(compile_estimate * 0.5, row["warmup_s"])
+        rows[id(run)] = row
+        what = f"{run.recipe.task} {run.recipe.name} {run.network} {run.precision} " \
+               f"cl={'on' if run.channels_last else 'off'} compile={'on' if run.compile else 'off'}"
+        if row["status"] == "ok":
+            result = (f"{fmt(row['train_per_s'])} {row['unit']} ({row['steps']} steps), peak "
+                      f"{fmt(row['peak_mem_mb'])} MB, loss {row['loss_first']:.4g} -> {row['loss_last']:.4g}"
+                      + (f", infer {fmt(row['infer_per_s'])} img/s" if row["infer_per_s"] else ""))
+        else:
+            result = f"{row['status']}: {row['note']}"
+        print(f"[{i}/{len(runs)} {time.perf_counter() - start:5.0f}s] {what}: {result}", flush=True)
+        meta["wall_s"] = round(time.perf_counter() - start, 1)
+        meta["imports_moved"] = {k: v for k, v in IMPORTS_USED.items() if not v.startswith(("backbones.", "heads."))}
+        ordered = [rows[id(r)] for r in sorted(runs, key=Run.order)]
+        write_outputs(args.output, ordered, meta)
+    counts = {s: sum(r["status"] == s for r in rows.values()) for s in ("ok", "skipped", "error")}
+    print(f"done in {meta['wall_s']:.0f} s: {counts['ok']} ok, {counts['skipped']} skipped, {counts['error']} errors; "
+          f"{args.output / 'gpu_suite.md'}, {args.output / 'gpu_suite.json'}")
+    return 1 if counts["error"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""The suite's contract, proven on each real task: one matrix of task x promise.
+
+Every promise the README states for all tasks has a cell per task here, so a task that drops
+one fails a named cell (``test_<promise>[<task>]``). Each cell runs the task's real CLI in a
+subprocess on its embedded demo data. Cells that take minutes (kill-and-resume of the dense
+tasks, 1-vs-2-process equality) carry the ``slow`` marker.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, run_task
+
+TASKS = ("classify", "detect", "segment", "translate")
+
+#: CPU-sized arguments per task; the second list changes the network's shape away from the demo
+#: recipe, so a checkpoint rebuilt from the recipe instead of its own arguments cannot load
+TINY = {
+    "classify": ["--data.image_size", "32", "--data.eval_resize", "32", "--data.batch_size", "16",
+                 "--data.num_workers", "0", "--model.scheduler.init_args.warmup_steps", "2"],
+    "detect": ["--data.image_size", "64", "--data.batch_size", "4", "--data.eval_batch_size", "4",
+               "--data.num_workers", "0"],
+    "segment": ["--data.crop_size", "64", "--data.scale_range", "[0.75, 1.25]", "--data.batch_size", "4",
+                "--data.num_workers", "0", "--data.eval_short_side", "null"],
+    "translate": ["--model.encoder_depth", "1", "--model.decoder_depth", "1", "--model.num_heads", "2",
+                  "--model.max_len_b", "4", "--model.beam_size", "2", "--data.vocab_size", "500",
+                  "--data.max_tokens", "512", "--data.eval_max_tokens", "4096"],
+}
+SHAPE_OVERRIDE = {
+    "classify": ["--model.backbone.init_args.width", "0.25"],
+    "detect": ["--model.head.init_args.proj_channels", "[16, 16, 16, 8]"],
+    "segment": ["--model.head.init_args.channels", "16"],
+    "translate": ["--model.dim", "32", "--model.ffn_dim", "64"],
+}
+QUIET = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu",
+         "--trainer.num_sanity_val_steps", "0"]
+SHORT_FIT = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "1"]
+EVAL_LIMIT = {"classify": ["--trainer.limit_test_batches", "2"], "detect": ["--trainer.limit_test_batches", "2"],
+              "segment": ["--trainer.limit_test_batches", "3"], "translate": ["--trainer.limit_test_batches", "2"]}
+TASK_CLASS = {"classify": "tasks.classify.ClassificationTask", "detect": "tasks.detect.DetectionTask",
+              "segment": "tasks.segment.SegmentationTask", "translate": "tasks.translate.TranslationTask"}
+
+
+def demo_dir(cache: Path, prefix: str) -> Path:
+    found = sorted(p for p in cache.glob(f"{prefix}-v*") if p.is_dir())
+    assert found, f"no demo dataset {prefix}-v* in {cache}"
+    return found[-1]
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """``fitted(task)`` -> the run directory of one short fit with :data:`SHAPE_OVERRIDE` (cached per module)."""
+    runs: dict[str, Path] = {}
+
+    def fit(task: str) -> Path:
+        if task not in runs:
+            cwd = tmp_path_factory.mktemp(f"fit-{task}")
+            run_task(task, "fit", *TINY[task], *SHAPE_OVERRIDE[task], *QUIET, *SHORT_FIT, cwd=cwd)
+            runs[task] = cwd / "runs" / task
+        return runs[task]
+
+    return fit
+
+
+def all_finite(state: dict) -> bool:
+    return all(torch.isfinite(v).all() for v in state.values() if torch.is_tensor(v) and v.is_floating_point())
+
+
+# -- the checkpoint carries the model ---------------------------------------------------------------
+@pytest.mark.parametrize("task", TASKS)
+def test_checkpoint_rebuilds_the_model_with_no_overrides(task, fitted, tmp_path):
+    import importlib
+
+    ckpt = fitted(task) / "checkpoints" / "last.ckpt"
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["suite_task"] == TASK_CLASS[task]
+    # test on the demo data with nothing but the checkpoint: the recipe's (other) shape must not be used
+    run_task(task, "test", "--ckpt_path", str(ckpt), *TINY[task], *QUIET, *EVAL_LIMIT[task], cwd=tmp_path)
+    metrics = json.loads((tmp_path / "runs" / task / "predictions" / "metrics.json").read_text())
+    assert metrics and all(math.isfinite(v) for v in metrics.values()), metrics
+    # and in Python, as a library user would
+    module, name = TASK_CLASS[task].rsplit(".", 1)
+    model = getattr(importlib.import_module(module), name).load_from_checkpoint(ckpt, weights_only=True)
+    state = model.state_dict()
+    assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in saved["state_dict"].items()}
+    assert all(torch.equal(state[k], v) for k, v in saved["state_dict"].items())
+
+
+def test_command_line_override_wins_over_the_checkpoint(fitted, tmp_path):
+    """A decoding setting given with --ckpt_path is used (Lightning alone lets the checkpoint win); every
+    other model argument comes from the checkpoint. Shared CLI code: one task proves it."""
+    ckpt = fitted("translate") / "checkpoints" / "last.ckpt"
+    proc = run_task("translate", "test", "--ckpt_path", str(ckpt), *TINY["translate"], *QUIET, "--model.beam_size", "3",
+                    "--print_config", cwd=tmp_path)
+    model = __import__("yaml").safe_load(proc.stdout)["model"]
+    assert model["beam_size"] == 3  # the fit used 2
+    assert model["dim"] == 32 and model["ffn_dim"] == 64  # the fit's, not the recipe's 256 / 1024
+
+
+# -- predict on unlabelled input, from the checkpoint alone -------------------------------------------
+def _predict_input(task: str, cache: Path, folder: Path) -> Path:
+    folder.mkdir()
+    if task == "translate":
+        path = folder / "input.en"
+        path.write_text("Germany\nFrance\nUnited Kingdom\n", encoding="utf-8")
+        return path
+    pattern = {"classify": ("digits-imagefolder", "test/*/*.png"), "detect": ("coco-digits", "val2017/*.jpg"),
+               "segment": ("digits-voc", "JPEGImages/test_*.jpg")}[task]
+    for image in sorted(demo_dir(cache, pattern[0]).glob(pattern[1]))[:3]:
+        shutil.copy(image, folder / image.name)
+    return folder
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_predict_on_unlabelled_input_needs_only_the_checkpoint(task, fitted, tmp_path, demo_cache):
+    ckpt = fitted(task) / "checkpoints" / "last.ckpt"
+    source = _predict_input(task, demo_cache, tmp_path / "inputs")
+    empty_cache = tmp_path / "empty-cache"  # no demo data may be built: predict reads only its input
+    extra = ["--model.predict_output", "out.txt"] if task == "translate" else []
+    proc = run_task(task, "predict", "--ckpt_path", str(ckpt), "--data.predict_path", str(source), *QUIET, *extra,
+                    cwd=tmp_path, env={"SUITE_DATA_CACHE": str(empty_cache)})
+    assert not empty_cache.exists() or not any(empty_cache.iterdir()), list(empty_cache.iterdir())
+    assert "predictions:" in proc.stderr + proc.stdout
+    out = tmp_path / "runs" / task / "predictions" / "predict"
+    if task == "classify":
+        rows = list(csv.DictReader(open(out / "predictions.csv")))
+        assert [Path(r["image"]).name for r in rows] == sorted(p.name for p in source.iterdir())
+        assert all(len(r["top5"].split()) == 5 for r in rows)
+    elif task == "detect":
+        assert sorted(p.stem for p in out.glob("*.json")) == sorted(p.stem for p in source.iterdir())
+    elif task == "segment":
+        assert sorted(p.stem for p in (out / "masks").glob("*.png")) == sorted(p.stem for p in source.iterdir())
+    else:
+        assert len((tmp_path / "out.txt").read_text(encoding="utf-8").splitlines()) == 3
+
+
+# -- a non-finite loss stops the run before the optimizer step ------------------------------------------
+@pytest.mark.parametrize("task", TASKS)
+def test_nonfinite_loss_stops_before_the_optimizer_step(task, tmp_path):
+    proc = run_task(task, "fit", *TINY[task], *SHAPE_OVERRIDE[task], *QUIET, *SHORT_FIT,
+                    "--trainer.limit_val_batches", "0", "--checkpoint.every_n_train_steps", "1",
+                    "--trainer.callbacks+=tests.callbacks.NaNOutputAtStep", "--trainer.callbacks.init_args.step", "2",
+                    cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "non-finite loss" in proc.stderr and "global step 2" in proc.stderr, proc.stderr[-3000:]
+    last = torch.load(tmp_path / "runs" / task / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 2
+    assert all_finite(last["state_dict"]) and all(all_finite(s) for s in last["optimizer_states"][0]["state"].values())
+
+
+def test_nonfinite_loss_can_be_skipped_and_counted_instead(tmp_path):
+    proc = run_task("classify", "fit", *TINY["classify"], *QUIET, *SHORT_FIT, "--trainer.limit_val_batches", "0",
+                    "--model.on_nonfinite_loss", "skip", "--trainer.callbacks+=tests.callbacks.NaNOutputAtStep",
+                    "--trainer.callbacks.init_args.step", "2", cwd=tmp_path)
+    assert "non-finite loss at global step 2" in proc.stderr and "step skipped (1 so far)" in proc.stderr
+    last = torch.load(tmp_path / "runs" / "classify" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert all_finite(last["state_dict"]) and all(all_finite(s) for s in last["optimizer_states"][0]["state"].values())
+
+
+# -- a checkpoint is not scored on data with other classes / ids / vocabulary ---------------------------
+def _other_data(task: str, cache: Path, root: Path) -> Path:
+    """A copy of the demo dataset whose classes (category ids, vocabulary) differ from the demo's."""
+    root.mkdir()
+    if task == "classify":
+        demo = demo_dir(cache, "digits-imagefolder")
+        for split in ("train", "val", "test"):
+            for folder in (demo / split).iterdir():
+                (root / split).mkdir(exist_ok=True)
+                (root / split / folder.name.replace("zero", "nought")).symlink_to(folder)
+    elif task == "detect":
+        demo = demo_dir(cache, "coco-digits")
+        (root / "annotations").mkdir()
+        for split_dir in demo.iterdir():
+            if split_dir.is_dir() and split_dir.name != "annotations":
+                (root / split_dir.name).symlink_to(split_dir)
+        for file in (demo / "annotations").glob("*.json"):
+            data = json.loads(file.read_text())
+            for item in data["categories"]:
+                item["id"] += 100
+            for item in data["annotations"]:
+                item["category_id"] += 100
+            (root / "annotations" / file.name).write_text(json.dumps(data))
+    elif task == "segment":
+        demo = demo_dir(cache, "digits-voc")
+        for entry in demo.iterdir():
+            if entry.name != "class_names.txt":
+                (root / entry.name).symlink_to(entry)
+        (root / "class_names.txt").write_text((demo / "class_names.txt").read_text().replace("zero", "nought"))
+    else:
+        demo = demo_dir(cache, "translate-en-de")
+        for file in demo.iterdir():
+            if file.suffix in (".en", ".de"):
+                text = file.read_text(encoding="utf-8")
+                (root / file.name).write_text(text.upper() if file.suffix == ".de" else text, encoding="utf-8")
+    return root
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_checkpoint_on_data_with_other_classes_is_refused(task, fitted, tmp_path, demo_cache):
+    ckpt = fitted(task) / "checkpoints" / "last.ckpt"
+    other = _other_data(task, demo_cache, tmp_path / "other")
+    proc = run_task(task, "test", "--ckpt_path", str(ckpt), "--data.root", str(other), *TINY[task], *QUIET,
+                    *EVAL_LIMIT[task], cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "trained on other data" in proc.stderr, proc.stderr[-3000:]
+    what = {"classify": "nought", "detect": "category_ids", "segment": "nought", "translate": "vocabulary"}[task]
+    assert what in proc.stderr.split("trained on other data")[-1]
+
+
+# -- killed mid-epoch before any validation, resumed: equal to the uninterrupted run -----------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("task", TASKS)
+def test_killed_before_the_first_validation_resumes_exactly(task, tmp_path):
+    run = [*TINY[task], *SHAPE_OVERRIDE[task], *QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "3",
+           "--trainer.limit_val_batches", "1", "--trainer.check_val_every_n_epoch", "1",
+           "--checkpoint.every_n_train_steps", "1"]
+    run_task(task, "fit", *run, "--trainer.default_root_dir", "straight", cwd=tmp_path)
+    killed = run_task(task, "fit", *run, "--trainer.default_root_dir", "resumed",
+                      "--trainer.callbacks+=tests.callbacks.KillAtStep", "--trainer.callbacks.init_args.step", "2",
+                      cwd=tmp_path, check=False)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    interrupted = torch.load(tmp_path / "resumed/checkpoints/last.ckpt", weights_only=True)
+    assert interrupted["global_step"] == 2 and interrupted["epoch"] == 0  # no validation has run yet
+    run_task(task, "fit", *run, "--trainer.default_root_dir", "resumed", "--ckpt_path", "last", cwd=tmp_path)
+    straight = torch.load(tmp_path / "straight/checkpoints/last.ckpt", weights_only=True)
+    resumed = torch.load(tmp_path / "resumed/checkpoints/last.ckpt", weights_only=True)
+    assert straight["global_step"] == resumed["global_step"] == 6
+    for key, value in straight["state_dict"].items():
+        assert torch.equal(value, resumed["state_dict"][key]), key
+    s_opt, r_opt = straight["optimizer_states"][0]["state"], resumed["optimizer_states"][0]["state"]
+    for i in s_opt:
+        for name, value in s_opt[i].items():
+            assert torch.equal(value, r_opt[i][name]), (i, name)
+
+
+# -- every number of metrics.json is the same under 1 and 2 processes -------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("task", TASKS)
+def test_metrics_json_is_equal_under_one_and_two_processes(task, fitted, tmp_path):
+    ckpt = fitted(task) / "checkpoints" / "last.ckpt"
+    limit = {"classify": ["--trainer.limit_test_batches", "3", "--data.batch_size", "7"],
+             "detect": ["--trainer.limit_test_batches", "3", "--data.eval_batch_size", "5"],
+             "segment": ["--trainer.limit_test_batches", "5"], "translate": []}[task]
+    results = {}
+    for devices in ("1", "2"):
+        root = f"p{devices}"
+        run_task(task, "test", "--ckpt_path", str(ckpt), *TINY[task], *QUIET, *limit, "--trainer.devices", devices,
+                 "--trainer.strategy", "ddp" if devices == "2" else "auto", "--trainer.default_root_dir", root,
+                 cwd=tmp_path, timeout=900)
+        results[devices] = json.loads((tmp_path / root / "predictions" / "metrics.json").read_text())
+    one, two = results["1"], results["2"]
+    assert one.keys() == two.keys()
+    for key in one:  # sums over ranks add in another order: equal to float32 rounding
+        assert two[key] == pytest.approx(one[key], rel=1e-6, abs=1e-7), key
+
+
+# -- mixed precision -----------------------------------------------------------------------------------------
+PRECISION_ARGS = {
+    "classify": ["--data.image_size", "32", "--data.eval_resize", "32", "--data.batch_size", "16"],
+    "detect": ["--data.batch_size", "4", "--data.hflip", "0.0"],
+    "segment": ["--data.batch_size", "4"],
+    "translate": [],
+}
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_bf16_mixed_fit_has_finite_decreasing_loss(task, run_cli, tmp_path):
+    """A few bf16-mixed steps on one fixed batch: finite, decreasing losses (float32 islands keep
+    softmax, the detection loss and scores stable)."""
+    run_cli(task, "fit", *PRECISION_ARGS[task], "--trainer.precision", "bf16-mixed", "--trainer.overfit_batches", "1",
+            "--trainer.max_epochs", "10", "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
+            "--trainer.log_every_n_steps", "1", "--trainer.enable_checkpointing", "false",
+            "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+            "--trainer.callbacks", "[]", "--trainer.enable_progress_bar", "false", "--data.num_workers", "0",
+            "--model.scheduler", "null")
+    # the logger wrote under the run root, not into the working directory
+    rows = list(csv.DictReader(open(next((tmp_path / "runs" / task).rglob("metrics.csv")))))
+    assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "version_0").exists()
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(losses) == 10
+    assert all(math.isfinite(loss) for loss in losses)
+    # the batch is fixed but augmentation still varies per step: compare the ends of the curve
+    assert sum(losses[-3:]) < 0.95 * sum(losses[:3]), losses
+
+
+# -- checkpoint files and resume requests that cannot work (shared CLI: one task is enough) -------------
+def test_bad_checkpoint_files_are_named(fitted, tmp_path):
+    from tasks.classify import ClassificationTask
+    from tasks.cli import read_checkpoint_for
+
+    good = (fitted("classify") / "checkpoints" / "last.ckpt").read_bytes()
+    truncated, text = tmp_path / "truncated.ckpt", tmp_path / "notes.ckpt"
+    truncated.write_bytes(good[: len(good) // 3])
+    text.write_text("not a checkpoint\n")
+    for bad in (truncated, text):
+        with pytest.raises(ValueError, match=f"cannot read checkpoint {bad}"):
+            read_checkpoint_for(["test", "--ckpt_path", str(bad)], ClassificationTask)
+
+
+def test_checkpoint_of_another_task_is_refused_by_name(fitted, tmp_path):
+    ckpt = fitted("classify") / "checkpoints" / "last.ckpt"
+    proc = run_task("detect", "test", "--ckpt_path", str(ckpt), *QUIET, cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert f"{ckpt} is a checkpoint of tasks.classify.ClassificationTask, not of tasks.detect.DetectionTask" \
+        in proc.stderr, proc.stderr[-2000:]
+
+
+def test_resume_with_nothing_to_resume_fails_clearly(tmp_path):
+    proc = run_task("classify", "fit", "--ckpt_path", "last", "--trainer.default_root_dir", "fresh", *QUIET,
+                    cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "there is no" in proc.stderr and "fresh/checkpoints/last.ckpt to resume from" in proc.stderr
+
+
+def test_sync_batchnorm_recipe_evaluates_on_cpu(fitted, tmp_path):
+    """Paper recipes ask for SyncBatchNorm; nothing trains in test, so it runs on CPU."""
+    ckpt = fitted("classify") / "checkpoints" / "last.ckpt"
+    run_task("classify", "test", "--ckpt_path", str(ckpt), *TINY["classify"], *QUIET, *EVAL_LIMIT["classify"],
+             "--trainer.sync_batchnorm", "true", cwd=tmp_path)
+    proc = run_task("classify", "fit", *TINY["classify"], *QUIET, "--trainer.sync_batchnorm", "true", cwd=tmp_path,
+                    check=False)
+    assert proc.returncode != 0 and "SyncBatchNorm needs CUDA" in proc.stderr

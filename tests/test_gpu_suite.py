@@ -1,0 +1,78 @@
+"""benchmarks/gpu_suite.py cannot rot: its --tiny mode (CPU, toy sizes, 3 steps) runs end to end
+for every task, network and variant and writes its Markdown table and JSON. No timing is asserted."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from tests.conftest import REPO, clean_env
+
+SUITE = REPO / "benchmarks" / "gpu_suite.py"
+TASKS = ("classify", "detect", "segment", "translate")
+PEERS = {"classify", "detect", "segment"}  # translation has no peer
+PAPER_ROWS = {"classify": 2351, "detect": 2782, "segment": 241}  # MobileViTv2 paper, V100 img/s
+
+
+def run_suite(*args: str, cwd) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(SUITE), *args], cwd=cwd, env=clean_env(), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, f"gpu_suite.py {' '.join(args)} exited {proc.returncode}\n--- stdout\n" \
+                                 f"{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def test_tiny_suite_writes_a_row_per_task_and_variant(tmp_path):
+    run_suite("--tiny", "--output", str(tmp_path / "out"), cwd=tmp_path)
+    data = json.loads((tmp_path / "out" / "gpu_suite.json").read_text())
+    rows = data["rows"]
+    assert data["meta"]["tiny"] and data["meta"]["device"] == "cpu"
+
+    # --tiny plans: both precisions x the recipe's own layout (channels_last on for the paper recipes), no compile;
+    # ours for every task x recipe, the peer at the paper recipe's size
+    expected = set()
+    for task in TASKS:
+        for recipe, channels_last in (("demo", False), ("paper", task != "translate")):
+            for precision in ("bf16-mixed", "16-mixed"):
+                for kind in ("ours", "peer") if (task in PEERS and recipe == "paper") else ("ours",):
+                    expected.add((task, recipe, kind, precision, channels_last, False))
+    keys = [(r["task"], r["recipe"], r["kind"], r["precision"], r["channels_last"], r["compile"]) for r in rows]
+    assert len(keys) == len(set(keys)), "duplicate rows"
+    assert set(keys) == expected
+
+    for row in rows:
+        where = f"{row['task']} {row['recipe']} {row['network']} {row['precision']}"
+        if row["precision"] == "16-mixed":  # fp16 autocast is a GPU setting: skipped on CPU, with a note
+            assert row["status"] == "skipped" and "CPU" in row["note"], where
+            continue
+        assert row["status"] == "ok", f"{where}: {row['status']} {row['note']}"
+        assert row["steps"] == 2 and row["warmup_steps"] == 1, where
+        for key in ("train_per_s", "loss_first", "loss_last", "params_m"):
+            assert isinstance(row[key], float) and math.isfinite(row[key]), f"{where}: {key}={row[key]}"
+        assert row["train_per_s"] > 0 and row["params_m"] > 0, where
+        assert row["unit"] == ("tok/s" if row["task"] == "translate" else "img/s"), where
+        assert len(row["loss_curve"]) == 3 and all(math.isfinite(v) for v in row["loss_curve"]), where
+        assert row["peak_mem_mb"] is None, where  # only measured on CUDA
+        if row["recipe"] == "paper" and row["task"] in PAPER_ROWS:  # the rows the paper gives throughputs for
+            assert isinstance(row["infer_per_s"], float) and math.isfinite(row["infer_per_s"]) \
+                and row["infer_per_s"] > 0, where
+            if row["kind"] == "ours":
+                assert row["paper_v100_infer"] == PAPER_ROWS[row["task"]], where
+        else:
+            assert row["infer_per_s"] is None, where
+
+    table = (tmp_path / "out" / "gpu_suite.md").read_text()
+    assert "training step throughput of the network" in table
+    lines = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith(("| task", "| ---"))]
+    assert len(lines) == len(rows)
+    for task in TASKS:
+        assert f"| {task} | demo |" in table and f"| {task} | paper |" in table
+    assert "| 2,351 |" in table and "| 2,782 |" in table and "| 241 |" in table
+
+
+def test_check_env_reports_optional_packages(tmp_path):
+    out = run_suite("--check-env", cwd=tmp_path).stdout
+    assert "missing optional:" in out
+    for name in ("torch", "torchvision", "timm", "triton"):
+        assert name in out
