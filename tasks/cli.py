@@ -387,10 +387,60 @@ def model_overrides(argv: list[str]) -> list[str]:
 
 
 def with_default_config(args: list[str], default: Path) -> list[str]:
-    """Insert ``--config <default>`` after the subcommand when the user gave no config."""
-    if any(a == "--config" or a.startswith("--config=") for a in args):
+    """Resolve recipe stacking in an argument list.
+
+    - No ``--config``: the task's default (demo) recipe, inserted after the subcommand.
+    - A recipe may name the recipe it overrides with a top-level ``base:`` (a path relative to
+      itself); ``base: null`` marks a complete recipe. A first ``--config`` without ``base`` is an
+      overlay on the task's default recipe, so ``--config my_changes.yaml`` changes only what it
+      lists. Later ``--config`` files stack on what comes before them, as in LightningCLI.
+
+    Each file with a ``base`` key is passed on as the YAML text of its other keys, after the
+    files it stacks on; ``--print_config`` shows the result fully resolved.
+    """
+    positions = [i for i, a in enumerate(args) if a == "--config" or a.startswith("--config=")]
+    if not positions:
+        for i, a in enumerate(args):
+            if a in SUBCOMMANDS:
+                return args[: i + 1] + ["--config", str(default)] + args[i + 1:]
         return args
-    for i, a in enumerate(args):
-        if a in SUBCOMMANDS:
-            return args[: i + 1] + ["--config", str(default)] + args[i + 1:]
-    return args
+    out, first = [], True
+    for i, arg in enumerate(args):
+        if i in positions and arg.startswith("--config="):
+            value = arg.split("=", 1)[1]
+        elif i in positions and i + 1 < len(args):
+            value = args[i + 1]
+        elif i - 1 in positions and args[i - 1] == "--config":
+            continue  # the value, handled with its flag
+        else:
+            out.append(arg)
+            continue
+        for layer in recipe_layers(value, default if first else None):
+            out += ["--config", layer]
+        first = False
+    return out
+
+
+def recipe_layers(value: str, default: Path | None, seen: tuple[Path, ...] = ()) -> list[str]:
+    """The ``--config`` values a recipe expands to: its base chain, then itself (see :func:`with_default_config`).
+    ``default`` is put under a recipe that names no base (``None``: stack on nothing)."""
+    path = Path(value)
+    if not path.is_file() or path.suffix not in (".yaml", ".yml"):
+        return [value]  # a YAML string or something LightningCLI reports itself
+    try:
+        content = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"recipe {path} is not valid YAML: {err}") from None
+    if not isinstance(content, dict) or "base" not in content:
+        under = [] if default is None or path.resolve() == Path(default).resolve() else [str(default)]
+        return under + [value]
+    if path.resolve() in seen:
+        raise ValueError(f"recipe {path} is its own base (base chain: {' -> '.join(map(str, seen))})")
+    base = content.pop("base")
+    layers = []
+    if base is not None:
+        base_path = (path.parent / str(base)).resolve()
+        if not base_path.is_file():
+            raise FileNotFoundError(f"recipe {path} names base: {base}, but {base_path} does not exist")
+        layers = recipe_layers(str(base_path), default, seen + (path.resolve(),))
+    return layers + ([yaml.safe_dump(content, sort_keys=False)] if content else [])

@@ -25,8 +25,8 @@ def _eta(seconds: float) -> str:
 
 
 class LineProgress(ProgressBar):
-    """Plain progress lines: one every ``every_n_steps`` training steps or ``every_seconds`` seconds,
-    whichever comes first, with the loss, the rate and the ETA; one line per evaluation run with
+    """Plain progress lines: one after the first training step, then one every ``every_n_steps``
+    steps or ``every_seconds`` seconds, whichever comes first, with the loss, the rate and the ETA; one line per evaluation run with
     its scores. Written to standard output on rank 0."""
 
     def __init__(self, every_n_steps: int = 50, every_seconds: float = 30.0):
@@ -56,7 +56,9 @@ class LineProgress(ProgressBar):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         now = time.monotonic()
         step = trainer.global_step
-        due = (self.every_n_steps > 0 and step % self.every_n_steps == 0) or now - self._last_print >= self.every_seconds
+        first = step == self._start_step + 1  # show at once that training runs, then at the interval
+        due = first or (self.every_n_steps > 0 and step % self.every_n_steps == 0) or \
+            now - self._last_print >= self.every_seconds
         if not due:
             return
         self._last_print = now

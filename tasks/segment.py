@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from datamodules.images import read_rgb_array
+from datamodules.segmentation_transforms import IGNORE_INDEX
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from backbones import Backbone
@@ -33,7 +34,6 @@ from heads.deeplabv3 import DeepLabV3
 from heads.seg_common import SegmentationHead
 from tasks.base import TaskModule
 
-IGNORE_INDEX = 255
 
 #: builds a head from ``(backbone.feature_channels, num_classes)``; YAML: ``class_path: heads.pspnet.PSPNet``
 HeadFactory = Callable[[dict[int, int], int], SegmentationHead]

@@ -18,6 +18,9 @@ def test_fit_then_test_writes_checkpoints_wandb_run_predictions_and_metrics(run_
     fit = run_cli("classify", "fit", *TINY)
     root = tmp_path / "runs" / "classify"
     assert "best checkpoint:" in fit.stdout + fit.stderr
+    # output to a pipe, as in a cluster log: plain progress lines instead of a redrawn bar
+    assert "fit epoch 1/1 step 1/4 (batch 1/4) loss" in fit.stdout and "fit epoch 1 done at step 4" in fit.stdout
+    assert "validate: 2 batches" in fit.stdout and "val/top1" in fit.stdout
     ckpts = sorted(root.rglob("*.ckpt"))
     names = {p.name for p in ckpts}
     assert "last.ckpt" in names and any(n.startswith("best-") for n in names), names

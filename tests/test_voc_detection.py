@@ -482,8 +482,60 @@ def test_recipes_name_the_voc_datamodule_and_the_demo_copies_the_detection_demo(
     for recipe in (demo, full):
         assert recipe["data"]["class_path"] == "datamodules.voc_detection.VocDetectionDataModule"
         VocDetectionDataModule(**recipe["data"]["init_args"])  # every argument exists (nothing is read here)
-    assert {k: v for k, v in demo.items() if k != "data"} == {k: v for k, v in coco_demo.items() if k != "data"}
+    # the VOC demo is the detection demo with another datamodule: it overrides nothing else
+    assert demo["base"] == "demo_ssdlite_mobilevitv2.yaml" and set(demo) == {"base", "data"}
     splits = {"train_split": "train", "val_split": "val", "test_split": "test"}
     assert demo["data"]["init_args"] == {**coco_demo["data"], **splits}
     assert full["model"] == coco_full["model"] and full["data"]["init_args"]["image_size"] == 320
+    assert full["base"] is None
     assert full["data"]["init_args"]["train_split"] == ["trainval", "../VOC2012/trainval"]
+
+
+# -- the same CLI, end to end -----------------------------------------------------------------------------------
+def test_voc_fit_test_predict_with_the_detection_cli(tmp_path):
+    """fit, test and predict on a small VOC-layout copy of the demo scenes through `python -m tasks.detect`
+    with the VOC demo recipe; test's mAP equals the independent devkit computation on the very
+    detections it wrote (detections.json) against the XML ground truth."""
+    import json
+
+    from tests.conftest import run_task
+
+    root = write_voc_detection_layout(tmp_path / "VOC", counts={"train": 24, "val": 8, "test": 12}, size=96)
+    recipe = str(CONFIGS / "demo_voc_ssdlite_mobilevitv2.yaml")
+    common = ["--config", recipe, "--data.root", str(root), "--data.image_size", "64", "--data.batch_size", "4",
+              "--data.eval_batch_size", "4", "--data.num_workers", "0", "--trainer.logger", "false",
+              "--trainer.enable_progress_bar", "false", "--trainer.num_sanity_val_steps", "0"]
+    run_task("detect", "fit", *common, "--model.head.init_args.proj_channels", "[16, 16, 16, 8]",
+             "--model.head.init_args.score_threshold", "0.0", "--trainer.max_epochs", "1",
+             "--trainer.limit_train_batches", "3", cwd=tmp_path)
+    ckpt = tmp_path / "runs" / "detect" / "checkpoints" / "last.ckpt"
+    run_task("detect", "test", *common, "--ckpt_path", str(ckpt), cwd=tmp_path)
+    out = tmp_path / "runs" / "detect" / "predictions"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics) >= {"test/map", "test/map_50", "test/loss"}
+
+    # rescore detections.json with the devkit-style reference, ground truth from the XML files
+    data = VocDetectionDataModule(root=str(root), **{"image_size": 64, "mean": MEAN, "std": STD})
+    data.setup("test")
+    dataset, detections = data.test_set, json.loads((out / "detections.json").read_text())
+    assert {d["image_id"] for d in detections} <= set(range(len(dataset)))
+    images = []
+    for image_id in range(len(dataset)):
+        gt = dataset[image_id][1]
+        mine = [d for d in detections if d["image_id"] == image_id]
+        boxes = np.array([[x, y, x + w, y + h] for x, y, w, h in (d["bbox"] for d in mine)], np.float64).reshape(-1, 4)
+        images.append({"gt_boxes": np.asarray(gt["gt_boxes"], np.float64), "gt_labels": np.asarray(gt["gt_labels"]),
+                       "gt_difficult": np.asarray(gt["gt_difficult"], bool), "boxes": boxes,
+                       "scores": np.array([d["score"] for d in mine]),
+                       "labels": np.array([data.category_ids.index(d["category_id"]) for d in mine], np.int64)})
+    reference = float(np.nanmean(reference_voc_ap(images, data.num_classes)))
+    assert metrics["test/map"] == pytest.approx(reference, abs=1e-6)
+
+    folder = tmp_path / "unlabelled"
+    folder.mkdir()
+    for image in sorted((root / "JPEGImages").glob("*.jpg"))[:2]:
+        (folder / image.name).write_bytes(image.read_bytes())
+    proc = run_task("detect", "predict", "--ckpt_path", str(ckpt), "--data.predict_path", str(folder),
+                    "--trainer.logger", "false", cwd=tmp_path)
+    assert "predictions:" in proc.stderr
+    assert sorted(p.stem for p in (out / "predict").glob("*.json")) == sorted(p.stem for p in folder.iterdir())
