@@ -44,6 +44,7 @@ def test_fit_then_test_writes_checkpoints_wandb_run_predictions_and_metrics(run_
     assert abs(top1 - metrics["test/top1"]) < 1e-6  # the file holds what was scored
 
 
+@pytest.mark.slow
 def test_second_run_in_the_same_directory_does_not_abort(run_cli):
     run_cli("classify", "fit", *TINY, "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "1")
     run_cli("classify", "fit", *TINY, "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "1")
@@ -55,6 +56,7 @@ def test_missing_root_is_reported_with_the_expected_layout(run_cli, tmp_path):
     assert "expected" in proc.stderr and "imagenet/train/<class>/<image>" in proc.stderr
 
 
+@pytest.mark.slow
 def test_ema_under_ddp_with_injected_optimizer(run_cli, tmp_path):
     """EMAWeightAveraging deep-copies the module; under DDP that used to reach the process group
     through the CLI-injected optimizer callable. Two gloo processes on CPU."""
