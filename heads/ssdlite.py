@@ -193,7 +193,8 @@ class SSDLiteHead(nn.Module):
         number of positives in the batch. Computed in float32 even under autocast.
 
         Shapes: ``cls_logits (B, A, C + 1)``, ``box_regression (B, A, 4)``, ``target_labels (B, A)``,
-        ``target_codes (B, A, 4)``. Returns ``{"loss", "loss_cls", "loss_box"}`` (scalars).
+        ``target_codes (B, A, 4)``. Returns ``{"loss", "loss_cls", "loss_box"}`` (scalars) and
+        ``num_positive``, the normaliser: a mean over a dataset weighs each batch's loss by it.
         """
         with torch.autocast(cls_logits.device.type, enabled=False):
             cls_logits, box_regression = cls_logits.float(), box_regression.float()
@@ -213,7 +214,7 @@ class SSDLiteHead(nn.Module):
                 negative = rank < num_negative
             loss_cls = ce[positive | negative].sum()
         return {"loss": (loss_box + loss_cls) / normaliser, "loss_cls": loss_cls / normaliser,
-                "loss_box": loss_box / normaliser}
+                "loss_box": loss_box / normaliser, "num_positive": num_positive}
 
     # -- inference --------------------------------------------------------------------------------
     @torch.no_grad()

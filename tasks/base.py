@@ -201,7 +201,7 @@ class TaskModule(LightningModule):
 
     # -- evaluation ----------------------------------------------------------------------------------
     def log_eval_loss(self, stage: str, loss: torch.Tensor, weight: float | int) -> None:
-        """Add a batch's mean loss with its weight (images, pixels' images, target tokens) to the
+        """Add a batch's mean loss with its weight (images, target tokens, positive anchors) to the
         split's running mean, logged as ``<stage>/loss`` once per epoch: exact under DDP."""
         metric = self.eval_losses[stage]
         metric.update(loss.detach().float(), weight=float(weight))

@@ -173,7 +173,9 @@ class DetectionTask(TaskModule):
         images, targets = batch["image"], batch["targets"]
         outputs = self(images)
         losses = self._losses(outputs, images, targets)
-        self.log_eval_loss(stage, losses["loss"], weight=len(images))
+        # the loss is a sum over the batch divided by its positive anchors: weighing each batch by that
+        # count makes the split's mean the same ratio whatever the batching and the number of ranks
+        self.log_eval_loss(stage, losses["loss"], weight=losses["num_positive"])
         detections = self.head.postprocess(*outputs, image_size=tuple(images.shape[-2:]))
         detections_orig = self.to_original_pixels(detections, targets, tuple(images.shape[-2:]))
         ground_truth = [{"boxes": t["gt_boxes"], "labels": t["gt_labels"], "iscrowd": t["gt_iscrowd"],
