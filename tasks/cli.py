@@ -361,7 +361,8 @@ def read_checkpoint_for(argv: list[str], model_class: type) -> dict | None:
     if path in ("last", "best", "hpc", "registry"):
         return None
     checkpoint = check_checkpoint_file(path, model_class)
-    return checkpoint if subcommand in EVALUATION else None
+    # a checkpoint without saved arguments (written before they were) is loaded into the recipe's model
+    return checkpoint if subcommand in EVALUATION and checkpoint.get("hyper_parameters") else None
 
 
 def option_value(argv: list[str], name: str) -> str | None:
