@@ -40,18 +40,16 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import Dataset
 from torchvision import tv_tensors
 
 from datamodules.demo import demo_root
 # shared with the VOC datamodule; importable from here as before
-from datamodules.detection_common import (ImageFiles, IoUCropWhenBoxes, check_on_bad_image,  # noqa: F401
-                                          collate_detection, collate_images, eval_transform, ssd_train_transform,
-                                          stack_detection, stack_images)
+from datamodules.detection_common import (DetectionDataModule, ImageFiles, IoUCropWhenBoxes,  # noqa: F401
+                                          check_on_bad_image, collate_detection, collate_images, eval_transform,
+                                          ssd_train_transform, stack_detection, stack_images)
 from datamodules.images import IMAGENET_MEAN, IMAGENET_STD, OnBadImage, guarded, read_rgb
-from datamodules.loaders import SplitLoaders, make_loader
 
 DEMO_VERSION = 1
 
@@ -234,7 +232,7 @@ class CocoDetection(Dataset):
         return image, target
 
 
-class CocoDataModule(SplitLoaders, LightningDataModule):
+class CocoDataModule(DetectionDataModule):
     """Object detection data in the COCO layout.
 
     Args:
@@ -328,24 +326,6 @@ class CocoDataModule(SplitLoaders, LightningDataModule):
         rank_zero_info(f"{name}: {len(dataset)} images, {len(dataset.coco.anns)} annotations")
         return dataset
 
-    def setup(self, stage: str) -> None:
-        if stage == "fit":
-            self.train_set = self.split(self.hparams.train_split, train=True)
-        if stage in ("fit", "validate"):
-            self.val_set = self.split(self.hparams.val_split)
-        if stage == "test":
-            self.test_set = self.split(self.test_split)
-        if stage == "predict":
-            h = self.hparams
-            # with predict_path, root is not touched: no demo build, no annotation file read
-            path = Path(h.predict_path).expanduser() if h.predict_path else self.root / self.test_split
-            self.predict_set = ImageFiles(path, eval_transform(h.image_size, h.mean, h.std), h.on_bad_image)
-
-    def _loader(self, dataset, train: bool):
-        h = self.hparams
-        collate = collate_images if isinstance(dataset, ImageFiles) else collate_detection
-        return make_loader(dataset, batch_size=h.batch_size if train else (h.eval_batch_size or h.batch_size),
-                           num_workers=h.num_workers, train=train, pin_memory=h.pin_memory,
-                           persistent_workers=h.persistent_workers, collate_fn=collate,
-                           trainer=self.trainer if train else None)
+    def test_images(self) -> Path:
+        return self.root / self.test_split
 

@@ -26,7 +26,10 @@ from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
+from lightning.pytorch import LightningDataModule
+
 from datamodules.images import IMAGE_EXTENSIONS, OnBadImage, collate_skipping, guarded, list_images, read_rgb
+from datamodules.loaders import SplitLoaders, make_loader
 
 
 def check_on_bad_image(value: str) -> None:
@@ -131,3 +134,46 @@ def stack_images(items: list[tuple[torch.Tensor, dict]]) -> dict:
 def collate_images(batch: list) -> dict:
     """:class:`ImageFiles` items -> ``{"image", "path", "orig_size", "skipped"}``, ``None`` items dropped and counted."""
     return collate_skipping(batch, collate=stack_images)
+
+
+class DetectionDataModule(SplitLoaders, LightningDataModule):
+    """What every detection format's datamodule shares: the stages' datasets and their loaders.
+
+    A format implements ``split(name, train) -> Dataset`` (items as :class:`ImageFiles`' siblings:
+    ``(image, target)`` with the detection target keys), ``test_split`` and ``test_images()`` (the
+    images ``predict`` reads when no ``predict_path`` is given), and sets ``evaluation_metric``
+    (``"coco"`` or ``"voc"``: which benchmark metric the task scores it with). Its ``hparams`` hold
+    the common arguments (``train_split``, ``val_split``, ``predict_path``, ``image_size``, ``mean``,
+    ``std``, ``batch_size``, ``eval_batch_size``, ``num_workers``, ``pin_memory``,
+    ``persistent_workers``, ``on_bad_image``).
+    """
+
+    evaluation_metric = "coco"
+
+    def split(self, name, train: bool = False) -> Dataset:
+        raise NotImplementedError
+
+    def test_images(self) -> Path | list[Path]:
+        raise NotImplementedError
+
+    def setup(self, stage: str) -> None:
+        h = self.hparams
+        if stage == "fit":
+            self.train_set = self.split(h.train_split, train=True)
+        if stage in ("fit", "validate"):
+            self.val_set = self.split(h.val_split)
+        if stage == "test":
+            self.test_set = self.split(self.test_split)
+        if stage == "predict":
+            # with predict_path, root is not touched: no demo build, no annotation read
+            source = Path(h.predict_path).expanduser() if h.predict_path else self.test_images()
+            self.predict_set = ImageFiles(source, eval_transform(h.image_size, h.mean, h.std), h.on_bad_image)
+
+    def _loader(self, dataset, train: bool):
+        h = self.hparams
+        collate = collate_images if isinstance(dataset, ImageFiles) else collate_detection
+        return make_loader(dataset, batch_size=h.batch_size if train else (h.eval_batch_size or h.batch_size),
+                           num_workers=h.num_workers, train=train, pin_memory=h.pin_memory,
+                           persistent_workers=h.persistent_workers, collate_fn=collate,
+                           trainer=self.trainer if train else None)
+

@@ -55,16 +55,13 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import Dataset
 from torchvision import tv_tensors
 
 from datamodules.demo import demo_root
-from datamodules.detection_common import (ImageFiles, check_on_bad_image, collate_detection, collate_images,
-                                          eval_transform, ssd_train_transform)
+from datamodules.detection_common import DetectionDataModule, check_on_bad_image, eval_transform, ssd_train_transform
 from datamodules.images import IMAGENET_MEAN, IMAGENET_STD, OnBadImage, guarded, read_rgb
-from datamodules.loaders import SplitLoaders, make_loader
 
 #: Pascal VOC's 20 object classes, in the devkit's order (label i = ``VOC_DETECTION_CLASSES[i]``)
 VOC_DETECTION_CLASSES = (
@@ -414,7 +411,7 @@ def check_class_names(names: Sequence[str], source: str) -> list[str]:
 
 
 # -- datamodule ----------------------------------------------------------------------------------------------
-class VocDetectionDataModule(SplitLoaders, LightningDataModule):
+class VocDetectionDataModule(DetectionDataModule):
     """Object detection data in the Pascal VOC layout (or the embedded demo in it).
 
     Args:
@@ -509,26 +506,5 @@ class VocDetectionDataModule(SplitLoaders, LightningDataModule):
         rank_zero_info(f"{name}: {len(dataset)} images, {dataset.num_objects} objects ({difficult} difficult)")
         return dataset
 
-    def setup(self, stage: str) -> None:
-        if stage == "fit":
-            self.train_set = self.split(self.hparams.train_split, train=True)
-        if stage in ("fit", "validate"):
-            self.val_set = self.split(self.hparams.val_split)
-        if stage == "test":
-            self.test_set = self.split(self.test_split)
-        if stage == "predict":
-            h = self.hparams
-            transform = eval_transform(h.image_size, h.mean, h.std)
-            if h.predict_path:  # root is not touched: no demo build, no XML read
-                self.predict_set = ImageFiles(Path(h.predict_path).expanduser(), transform, h.on_bad_image)
-            else:
-                files = [entry.image for entry in split_images(self.root, self.test_split, need_annotations=False)]
-                self.predict_set = ImageFiles(files, transform, h.on_bad_image)
-
-    def _loader(self, dataset, train: bool):
-        h = self.hparams
-        collate = collate_images if isinstance(dataset, ImageFiles) else collate_detection
-        return make_loader(dataset, batch_size=h.batch_size if train else (h.eval_batch_size or h.batch_size),
-                           num_workers=h.num_workers, train=train, pin_memory=h.pin_memory,
-                           persistent_workers=h.persistent_workers, collate_fn=collate,
-                           trainer=self.trainer if train else None)
+    def test_images(self) -> list[Path]:
+        return [entry.image for entry in split_images(self.root, self.test_split, need_annotations=False)]
