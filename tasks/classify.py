@@ -1,7 +1,9 @@
 """Image classification: ``python -m tasks.classify {fit,validate,test,predict}``.
 
 Top-1/top-5 accuracy with torchmetrics; `test` writes ``predictions/predictions.csv``
-(image, label, prediction, score) and ``predictions/metrics.json``; `predict` writes
+(image, label, prediction, score), ``predictions/metrics.json``, ``predictions/per_class.csv``
+(class, precision, recall, f1, support) and ``predictions/confusion_matrix.csv`` (rows: true
+class, columns: predicted class), the last two from one confusion matrix over the test split; `predict` writes
 ``predictions/predict/predictions.csv`` (image, prediction, score, top-5 classes) for any
 image or folder of images (``--data.predict_path``), labelled or not.
 """
@@ -11,7 +13,7 @@ import csv
 
 import torch
 import torch.nn.functional as F
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 from backbones import Backbone
 from backbones.weights import classifier_state, load_pretrained
@@ -56,6 +58,8 @@ class ClassificationTask(TaskModule):
         self.val_top5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
         self.test_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.test_top5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
+        # rows: true class, columns: predicted class; summed over ranks like the accuracies
+        self.test_confusion = MulticlassConfusionMatrix(num_classes)
         self._test_rows: list[tuple] = []
         self._predict_rows: list[tuple] = []
         self._samples: list[tuple] = []
@@ -102,6 +106,7 @@ class ClassificationTask(TaskModule):
             return
         logits = self._eval_step(batch, "test", self.test_top1, self.test_top5)
         scores, preds = logits.float().softmax(-1).max(-1)
+        self.test_confusion.update(preds, batch["target"])
         self._test_rows += zip(batch["index"].tolist(), batch["path"], batch["target"].tolist(), preds.tolist(),
                                scores.tolist())
 
@@ -113,10 +118,13 @@ class ClassificationTask(TaskModule):
         self.log_dict(metrics)
         self.test_top1.reset()
         self.test_top5.reset()
+        confusion = self.test_confusion.compute().cpu().long()  # on every rank: computing it syncs
+        self.test_confusion.reset()
         rows = sorted(self.all_gather_objects(self._test_rows))
         loss = self.eval_loss_value("test")  # on every rank: computing it syncs
         if self.global_rank != 0:
             return
+        self.write_per_class(confusion.tolist())
         self.predictions_dir.mkdir(parents=True, exist_ok=True)
         with open(self.predictions_dir / "predictions.csv", "w", newline="") as f:
             writer = csv.writer(f)
@@ -124,6 +132,29 @@ class ClassificationTask(TaskModule):
             for _, path, target, pred, score in rows:
                 writer.writerow([path, self.class_names[target], self.class_names[pred], f"{score:.6f}"])
         self.write_metrics_json({**metrics, **loss})
+
+    def write_per_class(self, confusion: list[list[int]]) -> None:
+        """``predictions/per_class.csv`` (class, precision, recall, f1, support) and
+        ``predictions/confusion_matrix.csv`` (rows: true class, columns: predicted class), both
+        from the confusion matrix of the whole test split. A class never predicted has precision 0,
+        one without test images recall 0; f1 is 0 when precision and recall are."""
+        self.predictions_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.predictions_dir / "confusion_matrix.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["true/predicted", *self.class_names])
+            for name, row in zip(self.class_names, confusion):
+                writer.writerow([name, *row])
+        with open(self.predictions_dir / "per_class.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["class", "precision", "recall", "f1", "support"])
+            for k, name in enumerate(self.class_names):
+                tp = confusion[k][k]
+                predicted = sum(row[k] for row in confusion)
+                support = sum(confusion[k])
+                precision = tp / predicted if predicted else 0.0
+                recall = tp / support if support else 0.0
+                f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+                writer.writerow([name, repr(precision), repr(recall), repr(f1), support])
 
     # -- predict ------------------------------------------------------------------------------------
     def on_predict_epoch_start(self) -> None:

@@ -5,7 +5,8 @@ SSDLite on any backbone, scored with the benchmark's metric: COCO mAP for COCO-l
 pycocotools' COCOeval's), VOC mAP@0.5 for Pascal VOC (``--data datamodules.voc_detection.VocDetectionDataModule``,
 :class:`tasks.voc_map.VocMeanAveragePrecision`). The datamodule says which (``evaluation_metric``). `test` writes
 ``predictions/detections.json`` (COCO results format: the annotation file's image and
-category ids, ``[x, y, w, h]`` boxes in original-image pixels) and ``predictions/metrics.json``;
+category ids, ``[x, y, w, h]`` boxes in original-image pixels), ``predictions/metrics.json`` and
+``predictions/per_class.csv`` (per category AP, AP50, AP75, AR100 from the same COCOeval run; VOC: AP50);
 `predict` writes one JSON per image (and, with ``model.draw_predictions``, the image with its
 boxes) under ``predictions/predict/``.
 
@@ -15,6 +16,7 @@ its anchor/pyramid arguments as ``init_args``).
 """
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 from typing import Callable, Sequence
@@ -81,6 +83,35 @@ class CocoMeanAveragePrecision(MeanAveragePrecision):
         return super().compute()
 
 
+def coco_per_class(values: dict, metric: MeanAveragePrecision) -> dict[int, dict[str, float]]:
+    """Per label ``{"ap", "ap50", "ap75", "ar100"}`` from ``metric``'s ``compute()`` with
+    ``extended_summary=True``: COCOeval's ``summarize`` restricted to one category (area "all", the
+    largest maxDets; the mean over entries > -1, else -1). Labels absent from both detections and
+    ground truth are not in the evaluation and not in the result."""
+    if "precision" not in values:  # nothing was evaluated (no image)
+        return {}
+    precision = values["precision"].double().cpu().numpy()  # (T, R, K, A, M)
+    recall = values["recall"].double().cpu().numpy()  # (T, K, A, M)
+    labels = values["classes"].reshape(-1).tolist()  # COCOeval's catIds: the sorted labels seen
+    thresholds = np.asarray(metric.iou_thresholds, dtype=np.float64)
+
+    def mean(array: np.ndarray) -> float:
+        kept = array[array > -1]
+        return float(kept.mean()) if kept.size else -1.0
+
+    def at(iou: float) -> int | None:
+        found = np.flatnonzero(np.isclose(thresholds, iou))
+        return int(found[0]) if found.size else None
+
+    i50, i75 = at(0.5), at(0.75)
+    out = {}
+    for k, label in enumerate(labels):
+        p = precision[:, :, k, 0, -1]
+        out[int(label)] = {"ap": mean(p), "ap50": mean(p[i50]) if i50 is not None else -1.0,
+                           "ap75": mean(p[i75]) if i75 is not None else -1.0, "ar100": mean(recall[:, k, 0, -1])}
+    return out
+
+
 class DetectionTask(TaskModule):
     """Backbone + detection head (SSDLite), trained with the multibox loss, scored with COCO mAP.
 
@@ -119,7 +150,8 @@ class DetectionTask(TaskModule):
         self.display_score_threshold = display_score_threshold
         self.draw_predictions = draw_predictions
         self.val_map = CocoMeanAveragePrecision()
-        self.test_map = CocoMeanAveragePrecision()
+        # extended_summary: COCOeval's precision / recall arrays, sliced per category for per_class.csv
+        self.test_map = CocoMeanAveragePrecision(extended_summary=True)
         self._test_results: list[tuple[int, list[dict]]] = []
         self._predictions: list[dict] = []
 
@@ -195,13 +227,16 @@ class DetectionTask(TaskModule):
         self._log_map("val", self.val_map)
 
     def _log_map(self, stage: str, metric) -> dict[str, torch.Tensor]:
-        # compute() already gathers over ranks and counts each image once
+        return self._log_map_values(stage, metric)[0]
+
+    def _log_map_values(self, stage: str, metric) -> tuple[dict[str, torch.Tensor], dict]:
+        # compute() already gathers over ranks and counts each image once: every rank calls it
         values = metric.compute()
         metric.reset()
         logged = {f"{stage}/{k}": values[k].float() for k in MAP_KEYS if k in values}
         self.log(f"{stage}/map", logged[f"{stage}/map"], prog_bar=True)
         self.log_dict({k: v for k, v in logged.items() if k != f"{stage}/map"})
-        return logged
+        return logged, values
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         if "image" not in batch:
@@ -222,7 +257,7 @@ class DetectionTask(TaskModule):
         self._test_results = []
 
     def on_test_epoch_end(self) -> None:
-        metrics = self._log_map("test", self.test_map)
+        metrics, values = self._log_map_values("test", self.test_map)
         results = self.all_gather_objects(self._test_results)
         loss = self.eval_loss_value("test")  # on every rank: computing it syncs
         if self.global_rank != 0:
@@ -233,6 +268,31 @@ class DetectionTask(TaskModule):
         self.predictions_dir.mkdir(parents=True, exist_ok=True)
         (self.predictions_dir / "detections.json").write_text(json.dumps(detections))
         self.write_metrics_json({**metrics, **loss})
+        self.write_per_class(values)
+
+    def write_per_class(self, values: dict) -> None:
+        """``predictions/per_class.csv``, one row per category, from the evaluation that gave mAP.
+
+        COCO: ``category_id, name, ap, ap50, ap75, ar100``, sliced from COCOeval's accumulated
+        ``precision`` (T, R, K, A, M) and ``recall`` (T, K, A, M) arrays as its ``summarize`` does
+        (area "all", 100 detections per image; the mean over entries > -1), -1 for a category
+        without ground truth in the evaluated images (COCOeval's "no value"). VOC:
+        ``category_id, name, ap50`` from the metric's ``ap_per_class`` (``nan`` without ground truth)."""
+        self.predictions_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.predictions_dir / "per_class.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            if "ap_per_class" in values:  # VOC
+                ap = values["ap_per_class"].reshape(-1).tolist()
+                writer.writerow(["category_id", "name", "ap50"])
+                for category_id, name, value in zip(self.category_ids, self.category_names, ap):
+                    writer.writerow([category_id, name, repr(float(value))])
+                return
+            writer.writerow(["category_id", "name", "ap", "ap50", "ap75", "ar100"])
+            per_class = coco_per_class(values, self.test_map)
+            for label, (category_id, name) in enumerate(zip(self.category_ids, self.category_names)):
+                row = per_class.get(label, {})
+                writer.writerow([category_id, name,
+                                 *(repr(float(row.get(k, -1.0))) for k in ("ap", "ap50", "ap75", "ar100"))])
 
     # -- predict ----------------------------------------------------------------------------------
     def on_predict_epoch_start(self) -> None:

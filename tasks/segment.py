@@ -12,11 +12,13 @@ size and counts every image once under DDP (the datamodule's unrepeated sampler)
 so 1-process and N-process numbers are the same.
 
 `test` writes ``predictions/masks/<stem>.png`` (original size, the dataset's own
-label encoding) and ``predictions/metrics.json``; `predict` writes
+label encoding), ``predictions/metrics.json`` and ``predictions/per_class.csv`` (class, iou,
+pixel_accuracy = TP / ground-truth pixels, support_pixels, from the same confusion matrix); `predict` writes
 ``predictions/predict/{masks,overlays}/``.
 """
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 from typing import Callable
 
@@ -149,14 +151,19 @@ class SegmentationTask(TaskModule):
         return preds
 
     def _log_scores(self, stage: str, metric: SegmentationMetric) -> dict[str, torch.Tensor]:
-        scores = metric.scores()  # compute() sums the matrix over ranks
+        return self._log_confusion_scores(stage, metric)[0]
+
+    def _log_confusion_scores(self, stage: str, metric: SegmentationMetric
+                              ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        confmat = metric.compute()  # sums the matrix over ranks: every rank calls it
+        scores = confusion_scores(confmat)
         metric.reset()
         logged = {f"{stage}/miou": scores["miou"].float(), f"{stage}/pixel_acc": scores["pixel_acc"].float()}
         for name, iou, present in zip(self.class_names, scores["iou"], scores["present"]):
             if present:
                 logged[f"{stage}/iou/{name}"] = iou.float()
         self.log_dict({k: v.to(self.device) for k, v in logged.items()})
-        return logged
+        return logged, confmat
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         if "image" not in batch:
@@ -181,7 +188,25 @@ class SegmentationTask(TaskModule):
         self._write_mask(preds[0], self.predictions_dir / "masks" / f"{stem}.png")
 
     def on_test_epoch_end(self) -> None:
-        self.write_metrics_json({**self._log_scores("test", self.test_metric), **self.eval_loss_value("test")})
+        logged, confmat = self._log_confusion_scores("test", self.test_metric)
+        self.write_metrics_json({**logged, **self.eval_loss_value("test")})
+        if self.global_rank == 0:
+            self.write_per_class(confmat)
+
+    def write_per_class(self, confmat: torch.Tensor) -> None:
+        """``predictions/per_class.csv``: per class ``iou`` (TP / (TP + FP + FN), ``nan`` when the class
+        is in neither truth nor prediction), ``pixel_accuracy`` (recall: TP / ground-truth pixels,
+        ``nan`` without ground truth) and ``support_pixels`` (ground-truth pixels), from the test
+        split's confusion matrix, the one mIoU comes from."""
+        confmat = confmat.cpu().long()
+        iou = confusion_scores(confmat)["iou"].tolist()
+        tp, support = confmat.diagonal().tolist(), confmat.sum(1).tolist()
+        self.predictions_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.predictions_dir / "per_class.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["class", "iou", "pixel_accuracy", "support_pixels"])
+            for name, class_iou, hits, pixels in zip(self.class_names, iou, tp, support):
+                writer.writerow([name, repr(float(class_iou)), repr(hits / pixels if pixels else float("nan")), pixels])
 
     # -- outputs ---------------------------------------------------------------------------------------------
     def _write_mask(self, labels: torch.Tensor, path) -> np.ndarray:

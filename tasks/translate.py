@@ -3,9 +3,10 @@
 The encoder-decoder Transformer of "Attention is all you need", trained with
 label-smoothed cross-entropy; validation and test decode with beam search and
 score sacreBLEU (13a tokenization, detokenized hypotheses vs raw references) and
-chrF, corpus-level, over every sentence exactly once across ranks. `test` writes
-``predictions/hypotheses.txt`` (one line per source line, in order) and
-``predictions/metrics.json``; `predict` translates ``--data.predict_path`` (a file
+chrF, corpus-level, over every sentence exactly once across ranks (`test` also chrF++). `test` writes
+``predictions/hypotheses.txt`` (one line per source line, in order), ``predictions/metrics.json``,
+``predictions/bleu_signature.txt`` (sacreBLEU's signature) and ``predictions/hypotheses.tsv``
+(line, sentence BLEU and chrF, source, reference, hypothesis); `predict` translates ``--data.predict_path`` (a file
 or ``-`` for standard input) to ``--model.predict_output`` (a file or ``-``).
 
 The checkpoint carries the sentencepiece model the network was trained with, so `predict`
@@ -15,6 +16,7 @@ vocabulary is another one.
 from __future__ import annotations
 
 import contextlib
+import csv
 import math
 import os
 import sys
@@ -218,11 +220,34 @@ class TranslationTask(TaskModule):
 
     def on_test_epoch_end(self) -> None:
         metrics, rows = self._eval_epoch_end("test")
+        hyps, refs = [r[3] for r in rows], [r[2] for r in rows]
+        # chrF++ (character n-grams plus word uni- and bigrams), from the same gathered sentences
+        chrf_pp = sacrebleu.corpus_chrf(hyps, [refs], word_order=2).score if rows else 0.0
+        self.log("test/chrf++", chrf_pp)
+        metrics["test/chrf++"] = chrf_pp
         if self.global_rank != 0:
             return
         self.predictions_dir.mkdir(parents=True, exist_ok=True)
-        write_lines(self.predictions_dir / "hypotheses.txt", [r[3] for r in rows])
+        write_lines(self.predictions_dir / "hypotheses.txt", hyps)
         self.write_metrics_json(metrics)
+        self.write_sentence_scores(rows)
+
+    def write_sentence_scores(self, rows: list) -> None:
+        """``predictions/bleu_signature.txt`` (sacreBLEU's signature of the corpus BLEU in metrics.json)
+        and ``predictions/hypotheses.tsv``: per sentence, in file order, ``line`` (1-based line of the
+        test file), sentence BLEU and chrF (sacreBLEU's ``sentence_bleu`` / ``sentence_chrf``), source,
+        reference and hypothesis. Tab-separated, written with the csv module (a field holding a tab
+        or a quote is quoted)."""
+        bleu = sacrebleu.BLEU(tokenize="13a")
+        bleu.corpus_score([r[3] for r in rows], [[r[2] for r in rows]])
+        (self.predictions_dir / "bleu_signature.txt").write_text(str(bleu.get_signature()) + "\n", encoding="utf-8")
+        with open(self.predictions_dir / "hypotheses.tsv", "w", encoding="utf-8", newline="") as f:
+            writer = csv.writer(f, delimiter="\t", lineterminator="\n")
+            writer.writerow(["line", "bleu", "chrf", "source", "reference", "hypothesis"])
+            for index, source, reference, hypothesis in rows:
+                writer.writerow([index + 1, repr(sacrebleu.sentence_bleu(hypothesis, [reference]).score),
+                                 repr(sacrebleu.sentence_chrf(hypothesis, [reference]).score),
+                                 source, reference, hypothesis])
 
     def _log_samples(self, stage: str, rows: list) -> None:
         logger = self.wandb_logger

@@ -42,6 +42,7 @@ def test_fit_then_test_writes_checkpoints_wandb_run_predictions_and_metrics(run_
     assert Path(rows[0]["image"]).parts[0] == "test" and rows[0]["label"] == "0_zero"  # names from the data
     top1 = sum(r["label"] == r["prediction"] for r in rows) / len(rows)
     assert abs(top1 - metrics["test/top1"]) < 1e-6  # the file holds what was scored
+    check_per_class_files(predictions)  # per-class numbers from the same confusion matrix
 
 
 @pytest.mark.slow
@@ -91,6 +92,9 @@ def test_two_processes_score_every_test_image_once_and_match_one_process(run_cli
     n_test = sum(1 for _ in (demo_cache / "digits-imagefolder-v1" / "test").rglob("*.png"))
     assert len(rows[0]) == len(rows[1]) == n_test
     assert [r["prediction"] for r in rows[0]] == [r["prediction"] for r in rows[1]]
+    per_class = [(tmp_path / d / "predictions/per_class.csv").read_text() for d in ("one", "two")]
+    assert per_class[0] == per_class[1]  # rank 0 wrote the synced confusion matrix
+    check_per_class_files(tmp_path / "two" / "predictions")
 
 
 def test_last_checkpoint_is_the_latest_epoch_even_when_it_is_not_the_best(run_cli, tmp_path):
@@ -102,3 +106,34 @@ def test_last_checkpoint_is_the_latest_epoch_even_when_it_is_not_the_best(run_cl
 
     last = torch.load(tmp_path / "runs/classify/checkpoints/last.ckpt", weights_only=True)
     assert last["epoch"] == 2 and last["global_step"] == 3
+
+
+def check_per_class_files(predictions: Path) -> None:
+    """per_class.csv and confusion_matrix.csv hold exactly the confusion matrix of predictions.csv."""
+    import numpy as np
+
+    with open(predictions / "predictions.csv") as f:
+        rows = list(csv.DictReader(f))
+    with open(predictions / "confusion_matrix.csv") as f:
+        table = list(csv.reader(f))
+    names = table[0][1:]
+    assert [r[0] for r in table[1:]] == names
+    index = {name: k for k, name in enumerate(names)}
+    expected = np.zeros((len(names), len(names)), dtype=np.int64)
+    for r in rows:
+        expected[index[r["label"]], index[r["prediction"]]] += 1
+    written = np.array([[int(v) for v in r[1:]] for r in table[1:]], dtype=np.int64)
+    assert (written == expected).all()
+    with open(predictions / "per_class.csv") as f:
+        per_class = list(csv.DictReader(f))
+    assert [r["class"] for r in per_class] == names
+    tp = np.diag(expected).astype(float)
+    predicted, support = expected.sum(0), expected.sum(1)
+    precision = np.divide(tp, predicted, out=np.zeros_like(tp), where=predicted > 0)
+    recall = np.divide(tp, support, out=np.zeros_like(tp), where=support > 0)
+    f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros_like(tp), where=precision + recall > 0)
+    for k, r in enumerate(per_class):
+        assert int(r["support"]) == support[k]
+        assert float(r["precision"]) == pytest.approx(precision[k], abs=1e-12)
+        assert float(r["recall"]) == pytest.approx(recall[k], abs=1e-12)
+        assert float(r["f1"]) == pytest.approx(f1[k], abs=1e-12)

@@ -57,6 +57,42 @@ def test_test_writes_coco_results_and_metrics(fitted):
     for d in detections:  # original-image pixels (the scenes are 64 px; the model saw 64 px too)
         x, y, w, h = d["bbox"]
         assert 0 <= x and 0 <= y and x + w <= 64.001 and y + h <= 64.001 and 0 < d["score"] <= 1
+    check_per_class(predictions, data / "annotations" / "instances_val2017.json", detections, metrics)
+
+
+def check_per_class(predictions: Path, annotations: Path, detections: list[dict], metrics: dict) -> None:
+    """per_class.csv holds pycocotools' own COCOeval numbers per category, run here on the annotation
+    file and the written detections.json: precision / recall sliced as COCOeval.summarize does."""
+    import csv
+
+    import numpy as np
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco = COCO(str(annotations))
+        evaluation = COCOeval(coco, coco.loadRes(detections), "bbox")
+        evaluation.evaluate()
+        evaluation.accumulate()
+    precision, recall = evaluation.eval["precision"], evaluation.eval["recall"]
+    iou = evaluation.params.iouThrs
+
+    def mean(array):
+        kept = array[array > -1]
+        return float(kept.mean()) if kept.size else -1.0
+
+    with open(predictions / "per_class.csv") as f:
+        rows = list(csv.DictReader(f))
+    cats = coco.loadCats(evaluation.params.catIds)
+    assert [(int(r["category_id"]), r["name"]) for r in rows] == [(c["id"], c["name"]) for c in cats]
+    for k, r in enumerate(rows):
+        p = precision[:, :, k, 0, -1]
+        expected = {"ap": mean(p), "ap50": mean(p[np.isclose(iou, 0.5)]), "ap75": mean(p[np.isclose(iou, 0.75)]),
+                    "ar100": mean(recall[:, k, 0, -1])}
+        for key, value in expected.items():
+            assert float(r[key]) == pytest.approx(value, abs=1e-6), (r, key, value)
+    scored = [float(r["ap"]) for r in rows if float(r["ap"]) > -1]
+    assert np.mean(scored) == pytest.approx(metrics["test/map"], abs=1e-6)  # the headline is their mean
 
 
 def test_predict_writes_one_json_per_image_and_drawings(fitted, tmp_path):
@@ -82,3 +118,95 @@ def test_predict_writes_one_json_per_image_and_drawings(fitted, tmp_path):
 def test_no_config_means_the_demo_recipe(tmp_path):
     proc = run_cli("fit", "--print_config", cache=tmp_path)
     assert "root: null" in proc.stdout and "backbones.MobileViTv2" in proc.stdout  # the embedded demo set
+
+
+def test_per_class_coco_numbers_equal_pycocotools_on_a_nontrivial_set(tmp_path):
+    """coco_per_class (what per_class.csv holds) against pycocotools' COCOeval on the same boxes, on
+    jittered and spurious detections that give APs strictly between 0 and 1."""
+    import numpy as np
+    import torch
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    from tasks.detect import CocoMeanAveragePrecision, coco_per_class
+
+    rng = np.random.default_rng(0)
+    category_ids = [3, 7, 11, 20]  # label 3 has neither ground truth nor detections
+    metric = CocoMeanAveragePrecision(extended_summary=True)
+    images, annotations, results = [], [], []
+    for image_id in range(1, 13):
+        n = int(rng.integers(0, 5))
+        xy = rng.uniform(0, 60, (n, 2))
+        gt = torch.tensor(np.concatenate([xy, xy + rng.uniform(8, 40, (n, 2))], 1), dtype=torch.float32)
+        gt_labels = torch.tensor(rng.integers(0, 3, n))
+        jitter = torch.tensor(rng.normal(0, 3, (n, 4)), dtype=torch.float32)
+        spurious_xy = rng.uniform(0, 60, (2, 2))
+        spurious = torch.tensor(np.concatenate([spurious_xy, spurious_xy + 20], 1), dtype=torch.float32)
+        boxes = torch.cat([gt + jitter, spurious])
+        labels = torch.cat([gt_labels, torch.tensor(rng.integers(0, 3, 2))])
+        scores = torch.tensor(rng.uniform(0.05, 1, len(boxes)), dtype=torch.float32)
+        area = (gt[:, 2] - gt[:, 0]) * (gt[:, 3] - gt[:, 1])
+        metric.update([{"boxes": boxes, "scores": scores, "labels": labels}],
+                      [{"boxes": gt, "labels": gt_labels, "iscrowd": torch.zeros(n, dtype=torch.long), "area": area}],
+                      [image_id])
+        images.append({"id": image_id, "width": 100, "height": 100})
+        for box, label, a in zip(gt.tolist(), gt_labels.tolist(), area.tolist()):
+            annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": category_ids[label],
+                                "bbox": [box[0], box[1], box[2] - box[0], box[3] - box[1]], "area": a, "iscrowd": 0})
+        for box, label, score in zip(boxes.tolist(), labels.tolist(), scores.tolist()):
+            results.append({"image_id": image_id, "category_id": category_ids[label], "score": score,
+                            "bbox": [box[0], box[1], box[2] - box[0], box[3] - box[1]]})
+    values = metric.compute()
+    per_class = coco_per_class(values, metric)
+    path = tmp_path / "annotations.json"
+    path.write_text(json.dumps({"images": images, "annotations": annotations,
+                                "categories": [{"id": c, "name": str(c)} for c in category_ids]}))
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco = COCO(str(path))
+        evaluation = COCOeval(coco, coco.loadRes(results), "bbox")
+        evaluation.evaluate()
+        evaluation.accumulate()
+        evaluation.summarize()
+    precision, recall = evaluation.eval["precision"], evaluation.eval["recall"]
+
+    def mean(array):
+        kept = array[array > -1]
+        return float(kept.mean()) if kept.size else -1.0
+
+    assert 3 not in per_class
+    aps = []
+    for k, category_id in enumerate(category_ids):
+        p = precision[:, :, k, 0, -1]
+        expected = {"ap": mean(p), "ap50": mean(p[0]), "ap75": mean(p[5]), "ar100": mean(recall[:, k, 0, -1])}
+        got = per_class.get(k, {"ap": -1.0, "ap50": -1.0, "ap75": -1.0, "ar100": -1.0})
+        assert got == pytest.approx(expected, abs=1e-9), (category_id, got, expected)
+        aps.append(got["ap"])
+    assert all(0 < ap < 1 for ap in aps[:3]) and aps[3] == -1.0  # a test that can fail
+    assert evaluation.stats[0] == pytest.approx(float(values["map"]), abs=1e-6)
+
+
+def test_voc_per_class_csv_is_the_metric_ap_per_class(tmp_path):
+    """VOC data: per_class.csv holds category_id, name and the metric's AP@0.5 per class (nan without ground truth)."""
+    import csv
+    import math
+    from types import SimpleNamespace
+
+    import torch
+
+    from tasks.detect import DetectionTask
+    from tasks.voc_map import VocMeanAveragePrecision
+
+    metric = VocMeanAveragePrecision(num_classes=3)
+    gt = torch.tensor([[0.0, 0.0, 10.0, 10.0], [20.0, 20.0, 30.0, 30.0]])
+    metric.update([{"boxes": torch.tensor([[0.0, 0.0, 10.0, 10.0], [50.0, 50.0, 60.0, 60.0], [21.0, 20.0, 30.0, 30.0]]),
+                    "scores": torch.tensor([0.9, 0.8, 0.7]), "labels": torch.tensor([0, 0, 1])}],
+                  [{"boxes": gt, "labels": torch.tensor([0, 1])}], [1])
+    values = metric.compute()
+    task = SimpleNamespace(predictions_dir=tmp_path, category_ids=[1, 2, 3], category_names=["a", "b", "c"])
+    DetectionTask.write_per_class(task, values)
+    with open(tmp_path / "per_class.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["category_id"], r["name"]) for r in rows] == [("1", "a"), ("2", "b"), ("3", "c")]
+    expected = values["ap_per_class"].tolist()
+    assert [float(r["ap50"]) for r in rows[:2]] == pytest.approx(expected[:2]) and math.isnan(float(rows[2]["ap50"]))
+    assert float(rows[0]["ap50"]) == pytest.approx(1.0) and float(rows[1]["ap50"]) == pytest.approx(1.0)

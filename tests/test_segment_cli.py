@@ -78,6 +78,29 @@ def test_test_writes_masks_and_metrics(fitted):
     assert metrics["test/miou"] == pytest.approx((tp[union > 0] / union[union > 0]).mean(), abs=1e-6)
     assert metrics["test/pixel_acc"] == pytest.approx(tp.sum() / confmat.sum(), abs=1e-6)
     assert "test/iou/background" in metrics and "test/loss" in metrics
+    check_per_class(predictions / "per_class.csv", confmat, (root / "class_names.txt").read_text().split())
+
+
+def check_per_class(path: Path, confmat: np.ndarray, class_names: list[str]) -> None:
+    """per_class.csv holds IoU, recall and support of the numpy confusion matrix of the written masks."""
+    import csv
+
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["class"] for r in rows] == class_names
+    tp = np.diag(confmat)
+    support = confmat.sum(1)
+    union = confmat.sum(0) + support - tp
+    for k, r in enumerate(rows):
+        assert int(r["support_pixels"]) == support[k]
+        if union[k]:
+            assert float(r["iou"]) == pytest.approx(tp[k] / union[k], abs=1e-12)
+        else:
+            assert r["iou"] == "nan"
+        if support[k]:
+            assert float(r["pixel_accuracy"]) == pytest.approx(tp[k] / support[k], abs=1e-12)
+        else:
+            assert r["pixel_accuracy"] == "nan"
 
 
 @pytest.mark.slow
@@ -179,14 +202,16 @@ def test_two_process_test_equals_one_process(fitted, tmp_path):
     for split in ("train", "val", "test"):
         (odd / "ImageSets" / "Segmentation" / f"{split}.txt").write_text("\n".join(stems) + "\n")
     ckpt = next(run_dir.rglob("last.ckpt"))
-    metrics = {}
+    metrics, per_class = {}, {}
     for devices in (1, 2):
         out = tmp_path / f"devices{devices}"
         run_cli("test", "--data.root", str(odd), *TINY, "--ckpt_path", str(ckpt), "--trainer.devices", str(devices),
                 "--trainer.strategy", "ddp" if devices > 1 else "auto", "--trainer.logger", "false",
                 "--trainer.default_root_dir", str(out), cache=cache)
         metrics[devices] = json.loads((out / "predictions" / "metrics.json").read_text())
+        per_class[devices] = (out / "predictions" / "per_class.csv").read_text()
         assert sorted(p.stem for p in (out / "predictions" / "masks").iterdir()) == sorted(stems)
     loss1, loss2 = metrics[1].pop("test/loss"), metrics[2].pop("test/loss")
     assert metrics[1] == metrics[2]
     assert loss1 == pytest.approx(loss2, rel=1e-6)
+    assert per_class[1] == per_class[2]  # rank 0 wrote the matrix summed over both ranks

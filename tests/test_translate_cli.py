@@ -64,10 +64,29 @@ def test_test_writes_hypotheses_in_source_order_and_the_scores_they_get(fitted, 
     refs = (data / "test.de").read_text(encoding="utf-8").splitlines()
     assert len(hyps) == len(refs)  # one line per source line
     metrics = json.loads((predictions / "metrics.json").read_text())
-    assert set(metrics) == {"test/bleu", "test/chrf", "test/loss", "test/ppl"}
+    assert set(metrics) == {"test/bleu", "test/chrf", "test/chrf++", "test/loss", "test/ppl"}
     # the numbers are sacreBLEU's on exactly these lines, against the raw references in file order
     assert metrics["test/bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
     assert metrics["test/chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score)
+    check_sentence_scores(predictions, hyps, refs, (data / "test.en").read_text(encoding="utf-8").splitlines())
+    assert metrics["test/chrf++"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs], word_order=2).score)
+
+
+def check_sentence_scores(predictions: Path, hyps: list[str], refs: list[str], sources: list[str]) -> None:
+    """bleu_signature.txt is sacreBLEU's; hypotheses.tsv holds every line in order with its sentence scores."""
+    import csv
+
+    bleu = sacrebleu.BLEU(tokenize="13a")
+    bleu.corpus_score(hyps, [refs])
+    assert (predictions / "bleu_signature.txt").read_text(encoding="utf-8").strip() == str(bleu.get_signature())
+    with open(predictions / "hypotheses.tsv", encoding="utf-8", newline="") as f:
+        rows = list(csv.reader(f, delimiter="\t"))
+    assert rows[0] == ["line", "bleu", "chrf", "source", "reference", "hypothesis"]
+    assert [int(r[0]) for r in rows[1:]] == list(range(1, len(hyps) + 1))
+    assert [r[5] for r in rows[1:]] == hyps and [r[4] for r in rows[1:]] == refs and [r[3] for r in rows[1:]] == sources
+    for r, hyp, ref in zip(rows[1:], hyps, refs):
+        assert float(r[1]) == pytest.approx(sacrebleu.sentence_bleu(hyp, [ref]).score, abs=1e-9)
+        assert float(r[2]) == pytest.approx(sacrebleu.sentence_chrf(hyp, [ref]).score, abs=1e-9)
 
 
 def test_predict_translates_stdin_to_stdout_and_a_file_to_a_file(fitted, tmp_path):
@@ -120,7 +139,10 @@ def test_two_process_ddp_test_scores_every_sentence_once_and_equals_one_process(
                "--trainer.accelerator", "cpu", "--trainer.devices", str(devices), *extra)
         predictions = cwd / "runs" / "translate" / "predictions"
         outputs[devices] = ((predictions / "hypotheses.txt").read_text(encoding="utf-8"),
-                            json.loads((predictions / "metrics.json").read_text()))
+                            json.loads((predictions / "metrics.json").read_text()),
+                            (predictions / "hypotheses.tsv").read_text(encoding="utf-8"),
+                            (predictions / "bleu_signature.txt").read_text(encoding="utf-8"))
     assert len(outputs[2][0].split("\n")) == 41 + 1
     assert outputs[2][0] == outputs[1][0]
     assert outputs[2][1] == pytest.approx(outputs[1][1], rel=1e-5)
+    assert outputs[2][2:] == outputs[1][2:]  # per-sentence scores and signature from every rank's sentences
