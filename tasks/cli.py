@@ -123,22 +123,17 @@ class SuiteCLI(LightningCLI):
         self.monitor = monitor
         self.mode = mode
         default = recipe_path(task, default_config)
-        argv = list(sys.argv[1:] if args is None else args)
-        argv = with_default_config(argv, default)
-        if args is None:  # from the command line: edit argv so LightningCLI sees one source of args
-            sys.argv[1:] = argv
-        else:
-            args = argv
+        argv = with_default_config(list(sys.argv[1:] if args is None else args), default)
         self.checkpoint = read_checkpoint_for(argv, model_class)
         # --print_config prints while parsing, before the checkpoint's arguments are merged: with a
         # checkpoint, print once they are (see _parse_ckpt_path), so it shows the model that will run
         self.print_config_after_checkpoint = self.checkpoint is not None and "--print_config" in argv
         if self.print_config_after_checkpoint:
             argv = [a for a in argv if a != "--print_config"]
-            if args is None:
-                sys.argv[1:] = argv
-            else:
-                args = argv
+        if args is None:  # from the command line: edit argv so LightningCLI sees one source of args
+            sys.argv[1:] = argv
+        else:
+            args = argv
         self.argv = argv
         self.default_datamodule = f"{datamodule_class.__module__}.{datamodule_class.__qualname__}"
         self.links = {} if self.checkpoint is not None else dict(getattr(model_class, "DATA_LINKS", {}))
