@@ -20,6 +20,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torchmetrics import MeanMetric
 
+from tasks.analysis import WorstExamples, lowest, model_cost, move_to, read_table
 from tasks.optim import param_groups
 
 
@@ -87,6 +88,8 @@ class TaskModule(LightningModule):
         on_nonfinite_loss: ``"raise"`` stops the run at a NaN/inf loss, naming the step and
             batch, before the optimizer step can write non-finite weights; ``"skip"`` skips that
             step on every rank and counts it (``train/skipped_nonfinite_steps``).
+        num_worst_examples: `test` writes this many lowest-scored samples (with their overlays)
+            under ``predictions/worst/``; 0 writes none.
     """
 
     #: datamodule attribute -> constructor argument, for every value that comes from the data
@@ -96,7 +99,7 @@ class TaskModule(LightningModule):
     def __init__(self, optimizer: OptimizerCallable = torch.optim.AdamW,
                  scheduler: LRSchedulerCallable | None = None, no_weight_decay_on_norm_bias: bool = True,
                  channels_last: bool = False, compile: bool = False,
-                 on_nonfinite_loss: Literal["raise", "skip"] = "raise"):
+                 on_nonfinite_loss: Literal["raise", "skip"] = "raise", num_worst_examples: int = 16):
         super().__init__()
         self._save_constructor_arguments()
         self.optimizer = SharedFactory(optimizer)
@@ -109,6 +112,7 @@ class TaskModule(LightningModule):
         self.skipped_empty_batches = 0
         # sample-weighted means of the evaluation loss, synced exactly over ranks by torchmetrics
         self.eval_losses = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
+        self.worst_examples = WorstExamples(num_worst_examples)
 
     def _save_constructor_arguments(self) -> None:
         # Under LightningCLI the saved values are the resolved config (class paths and arguments),
@@ -128,6 +132,22 @@ class TaskModule(LightningModule):
         self.save_hyperparameters(ignore=unsaved, frame=inspect.currentframe().f_back)
 
     # -- model set-up -------------------------------------------------------------------------
+    def example_input(self, datamodule) -> Any:
+        """One batch-1 input of :meth:`forward` at ``datamodule``'s evaluation size (a tensor, or a
+        tuple of positional arguments), or ``None`` when the size is unknown. It gives the model
+        summary its FLOPs and ``metrics.json`` its ``gflops``."""
+        return None
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None and self.example_input_array is None:
+            self.example_input_array = self.example_input(datamodule)
+
+    def model_cost(self) -> dict[str, float]:
+        """``params`` and, at the example input's size, ``gflops`` and ``gmacs`` (see :mod:`tasks.analysis`)."""
+        example = self.example_input_array
+        return model_cost(self, move_to(example, self.device) if example is not None else None)
+
     def configure_model(self) -> None:
         if self.channels_last:
             self.to(memory_format=torch.channels_last)
@@ -283,10 +303,11 @@ class TaskModule(LightningModule):
 
     @rank_zero_only
     def write_metrics_json(self, metrics: dict[str, float]) -> Path:
-        """Write ``metrics.json`` (metric name -> value, the numbers that were logged)."""
+        """Write ``metrics.json``: metric name -> value (the numbers that were logged), plus the
+        model's ``params``, ``gflops`` and ``gmacs`` at the evaluation size (:meth:`model_cost`)."""
         self.predictions_dir.mkdir(parents=True, exist_ok=True)
         path = self.predictions_dir / "metrics.json"
-        clean = {k: float(v) for k, v in metrics.items()}
+        clean = {k: float(v) for k, v in metrics.items()} | self.model_cost()
         path.write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
         return path
 
@@ -306,6 +327,48 @@ class TaskModule(LightningModule):
         gathered: list[list] = [None] * self.trainer.world_size  # type: ignore[list-item]
         torch.distributed.all_gather_object(gathered, items)
         return [item for rank_items in gathered for item in rank_items]
+
+    # -- the k worst samples of `test` ---------------------------------------------------------------
+    @property
+    def worst_dir(self) -> Path:
+        """``<trainer.default_root_dir>/predictions/worst``."""
+        return self.predictions_dir / "worst"
+
+    def on_test_epoch_start(self) -> None:
+        self.worst_examples.clear()
+
+    def gather_worst(self) -> list[tuple[float, Any, Any]]:
+        """The ``num_worst_examples`` lowest-scored ``(score, key, payload)`` of the whole split,
+        lowest first (every rank calls it; each rank gets the same list)."""
+        entries = self.all_gather_objects(self.worst_examples.entries())
+        self.worst_examples.clear()
+        return lowest(entries, self.worst_examples.k)
+
+    def on_test_end(self) -> None:
+        """Send what `test` wrote to wandb as tables and images: ``test/per_class`` (per_class.csv),
+        ``test/confusion_matrix`` (the PNG, when the task draws one), ``test/worst`` (worst.csv or
+        worst.tsv) and ``test/worst_images`` (the overlays)."""
+        logger = self.wandb_logger
+        if logger is None:
+            return
+        import wandb
+
+        per_class = self.predictions_dir / "per_class.csv"
+        if per_class.is_file():
+            columns, rows = read_table(per_class)
+            logger.log_table(key="test/per_class", columns=columns, data=rows)
+        picture = self.predictions_dir / "confusion_matrix.png"
+        if picture.is_file():
+            logger.experiment.log({"test/confusion_matrix": wandb.Image(str(picture))})
+        for name, delimiter in (("worst.csv", ","), ("worst.tsv", "\t")):
+            worst = self.worst_dir / name
+            if worst.is_file():
+                columns, rows = read_table(worst, delimiter)
+                logger.log_table(key="test/worst", columns=columns, data=rows)
+                if "file" in columns:  # the overlays, captioned with their rank
+                    at = columns.index("file")
+                    logger.log_image("test/worst_images", [str(self.worst_dir / row[at]) for row in rows],
+                                     caption=[f"{row[0]}: {row[1]}" for row in rows])
 
     # -- logging helpers --------------------------------------------------------------------------
     @property

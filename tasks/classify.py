@@ -2,14 +2,17 @@
 
 Top-1/top-5 accuracy with torchmetrics; `test` writes ``predictions/predictions.csv``
 (image, label, prediction, score), ``predictions/metrics.json``, ``predictions/per_class.csv``
-(class, precision, recall, f1, support) and ``predictions/confusion_matrix.csv`` (rows: true
-class, columns: predicted class), the last two from one confusion matrix over the test split; `predict` writes
+(class, precision, recall, f1, support), ``predictions/confusion_matrix.csv`` (rows: true
+class, columns: predicted class) and its picture ``confusion_matrix.png``, all from one confusion
+matrix over the test split, and ``predictions/worst/``: the images whose true class got the lowest
+probability, captioned, with ``worst.csv``; `predict` writes
 ``predictions/predict/predictions.csv`` (image, prediction, score, top-5 classes) for any
 image or folder of images (``--data.predict_path``), labelled or not.
 """
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +21,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 from backbones import Backbone
 from backbones.weights import classifier_state, load_pretrained
 from heads.classifier import ClassifierHead
+from tasks.analysis import displayable, with_caption, write_confusion_matrix_png, write_worst_csv
 from tasks.base import TaskModule
 
 
@@ -64,6 +68,10 @@ class ClassificationTask(TaskModule):
         self._predict_rows: list[tuple] = []
         self._samples: list[tuple] = []
 
+    def example_input(self, datamodule) -> torch.Tensor | None:
+        size = datamodule.hparams.get("image_size")
+        return torch.zeros(1, 3, size, size) if size else None
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) -> logits (B, num_classes)."""
         return self.head(self.backbone.forward_pooled(self.to_memory_format(images)))
@@ -105,12 +113,19 @@ class ClassificationTask(TaskModule):
         if "image" not in batch:
             return
         logits = self._eval_step(batch, "test", self.test_top1, self.test_top5)
-        scores, preds = logits.float().softmax(-1).max(-1)
+        probs = logits.float().softmax(-1)
+        scores, preds = probs.max(-1)
         self.test_confusion.update(preds, batch["target"])
         self._test_rows += zip(batch["index"].tolist(), batch["path"], batch["target"].tolist(), preds.tolist(),
                                scores.tolist())
+        true_probs = probs.gather(1, batch["target"][:, None])[:, 0].tolist()
+        for k, (index, path, target, pred, score) in enumerate(zip(
+                batch["index"].tolist(), batch["path"], batch["target"].tolist(), preds.tolist(), scores.tolist())):
+            self.worst_examples.offer(true_probs[k], index, lambda k=k, p=path, t=target, c=pred, s=score: (
+                p, t, c, s, displayable(batch["image"][k])))
 
     def on_test_epoch_start(self) -> None:
+        super().on_test_epoch_start()
         self._test_rows = []
 
     def on_test_epoch_end(self) -> None:
@@ -122,9 +137,12 @@ class ClassificationTask(TaskModule):
         self.test_confusion.reset()
         rows = sorted(self.all_gather_objects(self._test_rows))
         loss = self.eval_loss_value("test")  # on every rank: computing it syncs
+        worst = self.gather_worst()
         if self.global_rank != 0:
             return
         self.write_per_class(confusion.tolist())
+        write_confusion_matrix_png(confusion, self.class_names, self.predictions_dir / "confusion_matrix.png")
+        self.write_worst(worst)
         self.predictions_dir.mkdir(parents=True, exist_ok=True)
         with open(self.predictions_dir / "predictions.csv", "w", newline="") as f:
             writer = csv.writer(f)
@@ -155,6 +173,22 @@ class ClassificationTask(TaskModule):
                 recall = tp / support if support else 0.0
                 f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
                 writer.writerow([name, repr(precision), repr(recall), repr(f1), support])
+
+    def write_worst(self, worst: list) -> None:
+        """``predictions/worst/NN_<image stem>.png``: the test images whose true class got the lowest
+        probability, as the network saw them, captioned; ``worst.csv`` lists them (rank, image,
+        label, prediction, score of the prediction, probability of the label, file)."""
+        rows = []
+        for rank, (true_prob, _, (path, target, pred, score, image)) in enumerate(worst, start=1):
+            name = f"{rank:02d}_{Path(path).stem}.png"
+            caption = [f"true {self.class_names[target]} (p={true_prob:.3f})",
+                       f"pred {self.class_names[pred]} (p={score:.3f})"]
+            self.worst_dir.mkdir(parents=True, exist_ok=True)
+            with_caption(image, caption).save(self.worst_dir / name)
+            rows.append([rank, path, self.class_names[target], self.class_names[pred], repr(score), repr(true_prob), name])
+        if rows:
+            write_worst_csv(self.worst_dir / "worst.csv",
+                            ["rank", "image", "label", "prediction", "score", "label_probability", "file"], rows)
 
     # -- predict ------------------------------------------------------------------------------------
     def on_predict_epoch_start(self) -> None:

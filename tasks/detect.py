@@ -6,7 +6,9 @@ pycocotools' COCOeval's), VOC mAP@0.5 for Pascal VOC (``--data datamodules.voc_d
 :class:`tasks.voc_map.VocMeanAveragePrecision`). The datamodule says which (``evaluation_metric``). `test` writes
 ``predictions/detections.json`` (COCO results format: the annotation file's image and
 category ids, ``[x, y, w, h]`` boxes in original-image pixels), ``predictions/metrics.json`` and
-``predictions/per_class.csv`` (per category AP, AP50, AP75, AR100 from the same COCOeval run; VOC: AP50);
+``predictions/per_class.csv`` (per category AP, AP50, AP75, AR100 from the same COCOeval run; VOC: AP50)
+and ``predictions/worst/``: the images with the lowest F1 at IoU 0.5 (:func:`image_f1`), drawn with
+their predicted (red) and true (green) boxes, listed in ``worst.csv``;
 `predict` writes one JSON per image (and, with ``model.draw_predictions``, the image with its
 boxes) under ``predictions/predict/``.
 
@@ -28,6 +30,7 @@ from torchmetrics.detection import MeanAveragePrecision
 
 from backbones import Backbone
 from heads.ssdlite import SSDLiteHead
+from tasks.analysis import displayable, write_worst_csv
 from tasks.base import TaskModule
 
 #: builds a head from ``(backbone.feature_channels, num_classes)``; YAML: ``class_path: heads.ssdlite.SSDLiteHead``
@@ -112,6 +115,36 @@ def coco_per_class(values: dict, metric: MeanAveragePrecision) -> dict[int, dict
     return out
 
 
+def image_f1(det_boxes: torch.Tensor, det_labels: torch.Tensor, gt_boxes: torch.Tensor, gt_labels: torch.Tensor,
+             gt_crowd: torch.Tensor | None = None, iou_threshold: float = 0.5) -> float:
+    """One image's F1 of detections against ground truth: detections (already cut at a display
+    score, sorted by score) are matched greedily to the unmatched same-class box of highest IoU
+    >= ``iou_threshold``. A detection matching only a crowd region counts neither way, as in COCO.
+    1.0 for an image with neither objects nor detections. Boxes (N, 4) xyxy, labels (N,)."""
+    from torchvision.ops import box_iou
+
+    crowd = gt_crowd.bool() if gt_crowd is not None else torch.zeros(len(gt_boxes), dtype=torch.bool)
+    num_gt = int((~crowd).sum())
+    if len(det_boxes) == 0:
+        return 1.0 if num_gt == 0 else 0.0
+    if len(gt_boxes) == 0:
+        return 0.0
+    iou = box_iou(det_boxes.float(), gt_boxes.float())
+    iou[det_labels[:, None] != gt_labels[None, :]] = 0.0
+    matched = torch.zeros(len(gt_boxes), dtype=torch.bool)
+    true_pos = false_pos = 0
+    for row in iou:
+        candidates = row.masked_fill(matched | crowd, 0.0)
+        best = int(candidates.argmax())
+        if candidates[best] >= iou_threshold:
+            matched[best] = True
+            true_pos += 1
+        elif not (row.masked_fill(~crowd, 0.0) >= iou_threshold).any():
+            false_pos += 1
+    missed = num_gt - true_pos
+    return 2 * true_pos / (2 * true_pos + false_pos + missed) if true_pos + false_pos + missed else 1.0
+
+
 class DetectionTask(TaskModule):
     """Backbone + detection head (SSDLite), trained with the multibox loss, scored with COCO mAP.
 
@@ -155,7 +188,12 @@ class DetectionTask(TaskModule):
         self._test_results: list[tuple[int, list[dict]]] = []
         self._predictions: list[dict] = []
 
+    def example_input(self, datamodule) -> torch.Tensor | None:
+        size = datamodule.hparams.get("image_size")
+        return torch.zeros(1, 3, size, size) if size else None
+
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         # the benchmark's own metric: COCO mAP for COCO-layout data, VOC mAP@0.5 for Pascal VOC
         kind = getattr(getattr(self.trainer, "datamodule", None), "evaluation_metric", "coco")
         if kind == "voc":
@@ -241,9 +279,48 @@ class DetectionTask(TaskModule):
     def test_step(self, batch: dict, batch_idx: int) -> None:
         if "image" not in batch:
             return
-        _, detections = self._eval_step(batch, "test", self.test_map)
+        detections_input, detections = self._eval_step(batch, "test", self.test_map)
         self._test_results += [(t["image_id"], self.records(d, image_id=t["image_id"]))
                                for d, t in zip(detections, batch["targets"])]
+        for k, (det, target) in enumerate(zip(detections, batch["targets"])):
+            keep = det["scores"] >= self.display_score_threshold
+            score = image_f1(det["boxes"][keep].cpu(), det["labels"][keep].cpu(), target["gt_boxes"].cpu(),
+                             target["gt_labels"].cpu(), target["gt_iscrowd"].cpu())
+            self.worst_examples.offer(score, target["image_id"], lambda k=k, keep=keep, target=target: (
+                target["path"], displayable(batch["image"][k]),
+                {key: v[keep].cpu() for key, v in detections_input[k].items()},
+                self._gt_in_input_pixels(target, tuple(batch["image"].shape[-2:])), target["gt_labels"].cpu()))
+
+    @staticmethod
+    def _gt_in_input_pixels(target: dict, input_size: tuple[int, int]) -> torch.Tensor:
+        orig_h, orig_w = target["orig_size"]
+        height, width = input_size
+        scale = torch.tensor([width / orig_w, height / orig_h, width / orig_w, height / orig_h])
+        return target["gt_boxes"].float().cpu() * scale
+
+    def write_worst(self, worst: list) -> None:
+        """``predictions/worst/NN_<image stem>.jpg``: the test images with the lowest F1 at IoU 0.5
+        (detections scoring at least ``display_score_threshold``), as the network saw them, with
+        predicted boxes in red (name and score) and true boxes in green; ``worst.csv`` lists them
+        (rank, image, f1, detections drawn, objects, file)."""
+        from torchvision.io import write_jpeg
+        from torchvision.utils import draw_bounding_boxes
+
+        rows = []
+        self.worst_dir.mkdir(parents=True, exist_ok=True)
+        for rank, (f1, _, (path, image, det, gt_boxes, gt_labels)) in enumerate(worst, start=1):
+            name = f"{rank:02d}_{Path(str(path)).stem}.jpg"
+            if len(gt_boxes):
+                image = draw_bounding_boxes(image, gt_boxes, [self.category_names[i] for i in gt_labels.tolist()],
+                                            colors="lime", width=1)
+            if len(det["boxes"]):
+                labels = [f"{self.category_names[c]} {s:.2f}" for c, s in zip(det["labels"].tolist(),
+                                                                             det["scores"].tolist())]
+                image = draw_bounding_boxes(image, det["boxes"].float(), labels, colors="red", width=1)
+            write_jpeg(image, str(self.worst_dir / name), quality=90)
+            rows.append([rank, path, repr(f1), len(det["boxes"]), len(gt_boxes), name])
+        if rows:
+            write_worst_csv(self.worst_dir / "worst.csv", ["rank", "image", "f1", "detections", "objects", "file"], rows)
 
     def records(self, det: dict[str, torch.Tensor], **extra) -> list[dict]:
         """One image's detections as COCO result records: ``bbox`` ``[x, y, w, h]``, ``score``, the
@@ -254,14 +331,17 @@ class DetectionTask(TaskModule):
                 for box, score, label in zip(xywh, det["scores"].float().cpu().tolist(), det["labels"].cpu().tolist())]
 
     def on_test_epoch_start(self) -> None:
+        super().on_test_epoch_start()
         self._test_results = []
 
     def on_test_epoch_end(self) -> None:
         metrics, values = self._log_map_values("test", self.test_map)
         results = self.all_gather_objects(self._test_results)
         loss = self.eval_loss_value("test")  # on every rank: computing it syncs
+        worst = self.gather_worst()
         if self.global_rank != 0:
             return
+        self.write_worst(worst)
         # a padding sampler may score an image twice: keep it once, as the metric does
         per_image = dict(reversed(results))
         detections = [d for image_id in sorted(per_image) for d in per_image[image_id]]

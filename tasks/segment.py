@@ -13,7 +13,10 @@ so 1-process and N-process numbers are the same.
 
 `test` writes ``predictions/masks/<stem>.png`` (original size, the dataset's own
 label encoding), ``predictions/metrics.json`` and ``predictions/per_class.csv`` (class, iou,
-pixel_accuracy = TP / ground-truth pixels, support_pixels, from the same confusion matrix); `predict` writes
+pixel_accuracy = TP / ground-truth pixels, support_pixels, from the same confusion matrix; logged to
+wandb as one table, ``val/per_class`` each validation, ``test/per_class``, rather than a chart per
+class) and ``predictions/worst/``: the images with the lowest per-image mIoU (:func:`image_miou`),
+image | prediction | truth, listed in ``worst.csv``; `predict` writes
 ``predictions/predict/{masks,overlays}/``.
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 from backbones import Backbone
 from heads.deeplabv3 import DeepLabV3
 from heads.seg_common import SegmentationHead
+from tasks.analysis import displayable, write_worst_csv
 from tasks.base import TaskModule
 
 
@@ -59,6 +63,14 @@ def confusion_scores(confmat: torch.Tensor) -> dict[str, torch.Tensor]:
         "pixel_acc": tp.sum() / total if total > 0 else torch.tensor(float("nan"), dtype=torch.float64),
         "present": present,
     }
+
+
+def image_miou(pred: torch.Tensor, target: torch.Tensor, num_classes: int, ignore_index: int) -> float:
+    """One image's mIoU: (H, W) labels -> the mean IoU over the classes present in its truth or
+    prediction (labelled pixels only); NaN for an image without a labelled pixel."""
+    keep = target != ignore_index
+    confmat = torch.bincount(target[keep].long() * num_classes + pred[keep].long(), minlength=num_classes ** 2)
+    return float(confusion_scores(confmat.reshape(num_classes, num_classes))["miou"])
 
 
 class SegmentationMetric(MulticlassConfusionMatrix):
@@ -118,6 +130,11 @@ class SegmentationTask(TaskModule):
         self._samples: list[dict] = []
 
     # -- model ----------------------------------------------------------------------------------------------
+    def example_input(self, datamodule) -> torch.Tensor | None:
+        # the papers count FLOPs at the crop size (512 x 512 on ADE20k and VOC)
+        size = datamodule.hparams.get("crop_size")
+        return torch.zeros(1, 3, size, size) if size else None
+
     def forward(self, images: torch.Tensor, size: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
         """(B, 3, H, W) -> ``{"out": (B, K, *size)}`` (+ ``"aux"`` while training), logits upsampled
         bilinearly to ``size`` (default: the input's H, W)."""
@@ -159,10 +176,12 @@ class SegmentationTask(TaskModule):
         scores = confusion_scores(confmat)
         metric.reset()
         logged = {f"{stage}/miou": scores["miou"].float(), f"{stage}/pixel_acc": scores["pixel_acc"].float()}
-        for name, iou, present in zip(self.class_names, scores["iou"], scores["present"]):
-            if present:
-                logged[f"{stage}/iou/{name}"] = iou.float()
         self.log_dict({k: v.to(self.device) for k, v in logged.items()})
+        logger = self.wandb_logger
+        if stage == "val" and logger is not None and not self.trainer.sanity_checking:
+            # one table per validation instead of a chart per class (150 on ADE20k)
+            rows = [[name, float(iou)] for name, iou in zip(self.class_names, scores["iou"].tolist())]
+            logger.log_table(key="val/per_class", columns=["class", "iou"], data=rows)
         return logged, confmat
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
@@ -186,12 +205,40 @@ class SegmentationTask(TaskModule):
         preds = self._evaluate(batch, "test", self.test_metric)
         stem = Path(batch["path"][0]).stem
         self._write_mask(preds[0], self.predictions_dir / "masks" / f"{stem}.png")
+        score = image_miou(preds[0], batch["mask"][0], len(self.class_names), self.ignore_index)
+        self.worst_examples.offer(score, int(batch["index"][0]), lambda: (
+            batch["path"][0], displayable(batch["image"][0]), preds[0].cpu(), batch["mask"][0].cpu()))
 
     def on_test_epoch_end(self) -> None:
         logged, confmat = self._log_confusion_scores("test", self.test_metric)
-        self.write_metrics_json({**logged, **self.eval_loss_value("test")})
+        loss = self.eval_loss_value("test")  # on every rank: computing it syncs
+        worst = self.gather_worst()
         if self.global_rank == 0:
+            self.write_metrics_json({**logged, **loss})
             self.write_per_class(confmat)
+            self.write_worst(worst)
+
+    def write_worst(self, worst: list) -> None:
+        """``predictions/worst/NN_<stem>.jpg``: the test images with the lowest per-image mIoU, side by
+        side as the network saw the image, the prediction and the truth blended with the classes'
+        colours (ignored pixels of the truth in white); ``worst.csv`` lists them (rank, image, miou, file)."""
+        palette = torch.as_tensor(np.asarray(self.trainer.datamodule.palette), dtype=torch.float32)
+        rows = []
+        self.worst_dir.mkdir(parents=True, exist_ok=True)
+        for rank, (miou, _, (path, image, pred, truth)) in enumerate(worst, start=1):
+            size = image.shape[-2:]
+            panels = [image]
+            for labels in (pred, truth):
+                labels = F.interpolate(labels[None, None].float(), size=size, mode="nearest")[0, 0].long()
+                ignored = labels == self.ignore_index
+                colours = palette[labels.clamp(0, len(palette) - 1)].permute(2, 0, 1)
+                colours[:, ignored] = 255.0
+                panels.append((0.5 * image.float() + 0.5 * colours).round().to(torch.uint8))
+            name = f"{rank:02d}_{Path(path).stem}.jpg"
+            Image.fromarray(torch.cat(panels, dim=2).permute(1, 2, 0).numpy()).save(self.worst_dir / name, quality=90)
+            rows.append([rank, path, repr(miou), name])
+        if rows:
+            write_worst_csv(self.worst_dir / "worst.csv", ["rank", "image", "miou", "file"], rows)
 
     def write_per_class(self, confmat: torch.Tensor) -> None:
         """``predictions/per_class.csv``: per class ``iou`` (TP / (TP + FP + FN), ``nan`` when the class

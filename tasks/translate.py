@@ -6,7 +6,8 @@ score sacreBLEU (13a tokenization, detokenized hypotheses vs raw references) and
 chrF, corpus-level, over every sentence exactly once across ranks (`test` also chrF++). `test` writes
 ``predictions/hypotheses.txt`` (one line per source line, in order), ``predictions/metrics.json``,
 ``predictions/bleu_signature.txt`` (sacreBLEU's signature) and ``predictions/hypotheses.tsv``
-(line, sentence BLEU and chrF, source, reference, hypothesis); `predict` translates ``--data.predict_path`` (a file
+(line, sentence BLEU and chrF, source, reference, hypothesis), the lowest-chrF sentences first in
+``predictions/worst/worst.tsv``; `predict` translates ``--data.predict_path`` (a file
 or ``-`` for standard input) to ``--model.predict_output`` (a file or ``-``).
 
 The checkpoint carries the sentencepiece model the network was trained with, so `predict`
@@ -30,6 +31,7 @@ from backbones.transformer import TransformerEncoder
 from datamodules.tokenizer import Tokenizer
 from heads.decoding import Hypotheses, beam_search, greedy_search, max_output_lengths
 from heads.seq2seq import TransformerDecoder
+from tasks.analysis import write_worst_csv
 from tasks.base import TaskModule
 
 
@@ -104,6 +106,15 @@ class TranslationTask(TaskModule):
         self._tokenizer: Tokenizer | None = None
 
     # -- model -----------------------------------------------------------------------------------
+    #: the sentence pair whose teacher-forced forward gives ``gflops``: 32 source and 32 target
+    #: tokens, about a WMT14 sentence under a 32k-piece vocabulary
+    FLOPS_TOKENS = 32
+
+    def example_input(self, datamodule) -> tuple[torch.Tensor, torch.Tensor]:
+        length = min(self.FLOPS_TOKENS, self.max_positions)
+        tokens = torch.full((1, length), self.eos_id, dtype=torch.long)
+        return tokens, tokens.clone()
+
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         """Teacher forcing: src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
         memory, padding = self.encoder(src)
@@ -130,6 +141,7 @@ class TranslationTask(TaskModule):
         return self._tokenizer
 
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         # a checkpoint restored after this replaces it with the one the network was trained with
         if stage in ("fit", "validate", "test") and self._tokenizer is None:
             self._tokenizer = self.trainer.datamodule.tokenizer
@@ -213,6 +225,7 @@ class TranslationTask(TaskModule):
         self._eval_epoch_end("val")
 
     def on_test_epoch_start(self) -> None:
+        super().on_test_epoch_start()
         self._rows = []
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
@@ -241,13 +254,19 @@ class TranslationTask(TaskModule):
         bleu = sacrebleu.BLEU(tokenize="13a")
         bleu.corpus_score([r[3] for r in rows], [[r[2] for r in rows]])
         (self.predictions_dir / "bleu_signature.txt").write_text(str(bleu.get_signature()) + "\n", encoding="utf-8")
-        with open(self.predictions_dir / "hypotheses.tsv", "w", encoding="utf-8", newline="") as f:
-            writer = csv.writer(f, delimiter="\t", lineterminator="\n")
-            writer.writerow(["line", "bleu", "chrf", "source", "reference", "hypothesis"])
-            for index, source, reference, hypothesis in rows:
-                writer.writerow([index + 1, repr(sacrebleu.sentence_bleu(hypothesis, [reference]).score),
-                                 repr(sacrebleu.sentence_chrf(hypothesis, [reference]).score),
-                                 source, reference, hypothesis])
+        scored = [[index + 1, sacrebleu.sentence_bleu(hypothesis, [reference]).score,
+                   sacrebleu.sentence_chrf(hypothesis, [reference]).score, source, reference, hypothesis]
+                  for index, source, reference, hypothesis in rows]
+        columns = ["line", "bleu", "chrf", "source", "reference", "hypothesis"]
+        write_worst_csv(self.predictions_dir / "hypotheses.tsv", columns,
+                        [[line, repr(b), repr(c), *texts] for line, b, c, *texts in scored], delimiter="\t")
+        # the k lowest sentence chrF (ties: file order); chrF, unlike sentence BLEU, is rarely 0 for
+        # a partly right translation, so the order is informative
+        worst = sorted(scored, key=lambda row: (row[2], row[0]))[: self.worst_examples.k]
+        if worst:
+            write_worst_csv(self.worst_dir / "worst.tsv", ["rank", *columns],
+                            [[rank, line, repr(b), repr(c), *texts] for rank, (line, b, c, *texts)
+                             in enumerate(worst, start=1)], delimiter="\t")
 
     def _log_samples(self, stage: str, rows: list) -> None:
         logger = self.wandb_logger

@@ -43,6 +43,37 @@ def test_fit_then_test_writes_checkpoints_wandb_run_predictions_and_metrics(run_
     top1 = sum(r["label"] == r["prediction"] for r in rows) / len(rows)
     assert abs(top1 - metrics["test/top1"]) < 1e-6  # the file holds what was scored
     check_per_class_files(predictions)  # per-class numbers from the same confusion matrix
+    check_worst_and_cost(predictions, rows, metrics, last)
+
+
+def check_worst_and_cost(predictions: Path, rows: list[dict], metrics: dict, checkpoint: Path) -> None:
+    """worst/ holds the 16 images whose label got the lowest probability, lowest first, each drawn;
+    the confusion-matrix picture exists; metrics.json's cost is the checkpoint model's at 32 px."""
+    import torch
+    from PIL import Image
+
+    from tasks.analysis import count_flops
+    from tasks.classify import ClassificationTask
+
+    with open(predictions / "worst" / "worst.csv") as f:
+        worst = list(csv.DictReader(f))
+    assert [int(r["rank"]) for r in worst] == list(range(1, 17))
+    probabilities = [float(r["label_probability"]) for r in worst]
+    assert probabilities == sorted(probabilities)
+    scored = {r["image"]: r for r in rows}
+    for r in worst:  # the same prediction and score as predictions.csv; the label's probability is at most the top one
+        assert (r["label"], r["prediction"]) == (scored[r["image"]]["label"], scored[r["image"]]["prediction"])
+        assert float(r["score"]) == pytest.approx(float(scored[r["image"]]["score"]), abs=1e-6)
+        assert float(r["label_probability"]) <= float(r["score"]) + 1e-9
+        assert (r["label_probability"] == r["score"]) == (r["label"] == r["prediction"])
+        with Image.open(predictions / "worst" / r["file"]) as image:
+            assert image.width >= 256
+    with Image.open(predictions / "confusion_matrix.png") as image:
+        assert image.width >= 400 and image.height >= 400
+    model = ClassificationTask.load_from_checkpoint(checkpoint, map_location="cpu")
+    assert metrics["params"] == sum(p.numel() for p in model.parameters())
+    assert metrics["gflops"] == pytest.approx(count_flops(model, torch.zeros(1, 3, 32, 32)) / 1e9)
+    assert metrics["gmacs"] == pytest.approx(metrics["gflops"] / 2)
 
 
 @pytest.mark.slow

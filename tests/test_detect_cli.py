@@ -58,6 +58,48 @@ def test_test_writes_coco_results_and_metrics(fitted):
         x, y, w, h = d["bbox"]
         assert 0 <= x and 0 <= y and x + w <= 64.001 and y + h <= 64.001 and 0 < d["score"] <= 1
     check_per_class(predictions, data / "annotations" / "instances_val2017.json", detections, metrics)
+    check_worst(predictions, coco, detections)
+
+
+def check_worst(predictions: Path, coco, detections: list[dict], threshold: float = 0.3) -> None:
+    """worst.csv lists every test image (6 < 16), lowest F1 first, each F1 recomputed here with numpy
+    from detections.json (score >= 0.3) and the annotation file; each image is drawn."""
+    import csv
+
+    import numpy as np
+
+    def f1(image_id: int) -> float:
+        dets = sorted((d for d in detections if d["image_id"] == image_id and d["score"] >= threshold),
+                      key=lambda d: -d["score"])
+        anns = coco.loadAnns(coco.getAnnIds(imgIds=[image_id]))
+        used = [False] * len(anns)
+        true_pos = false_pos = 0
+        for d in dets:
+            ious = [iou_xywh(d["bbox"], a["bbox"]) if a["category_id"] == d["category_id"] else 0.0 for a in anns]
+            free = [i if not used[k] and not anns[k]["iscrowd"] else 0.0 for k, i in enumerate(ious)]
+            if free and max(free) >= 0.5:
+                used[int(np.argmax(free))] = True
+                true_pos += 1
+            elif not any(i >= 0.5 for k, i in enumerate(ious) if anns[k]["iscrowd"]):
+                false_pos += 1
+        objects = sum(not a["iscrowd"] for a in anns)
+        missed = objects - true_pos
+        return 2 * true_pos / (2 * true_pos + false_pos + missed) if true_pos + false_pos + missed else 1.0
+
+    def iou_xywh(a, b):
+        ax2, ay2, bx2, by2 = a[0] + a[2], a[1] + a[3], b[0] + b[2], b[1] + b[3]
+        inter = max(0.0, min(ax2, bx2) - max(a[0], b[0])) * max(0.0, min(ay2, by2) - max(a[1], b[1]))
+        return inter / (a[2] * a[3] + b[2] * b[3] - inter)
+
+    with open(predictions / "worst" / "worst.csv") as f:
+        worst = list(csv.DictReader(f))
+    ids = {Path(img["file_name"]).name: img["id"] for img in coco.loadImgs(coco.getImgIds())}
+    assert sorted(Path(r["image"]).name for r in worst) == sorted(ids)
+    expected = {name: f1(image_id) for name, image_id in ids.items()}
+    assert [float(r["f1"]) for r in worst] == sorted(expected.values())
+    for r in worst:
+        assert float(r["f1"]) == pytest.approx(expected[Path(r["image"]).name])
+        assert (predictions / "worst" / r["file"]).stat().st_size > 0
 
 
 def check_per_class(predictions: Path, annotations: Path, detections: list[dict], metrics: dict) -> None:

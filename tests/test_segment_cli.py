@@ -64,6 +64,7 @@ def test_test_writes_masks_and_metrics(fitted):
     predictions = run_dir / "predictions"
     stems = (root / "ImageSets" / "Segmentation" / "test.txt").read_text().split()
     confmat = np.zeros((11, 11), np.int64)
+    image_miou = {}
     for stem in stems:
         with Image.open(predictions / "masks" / f"{stem}.png") as written:
             assert written.mode == "P" and written.size == (64, 64)  # VOC encoding, original size
@@ -72,12 +73,27 @@ def test_test_writes_masks_and_metrics(fitted):
         true = read_mask(root / "SegmentationClass" / f"{stem}.png")
         keep = true != IGNORE_INDEX
         np.add.at(confmat, (true[keep], pred[keep]), 1)
+        single = np.zeros((11, 11), np.int64)
+        np.add.at(single, (true[keep], pred[keep]), 1)
+        tp, union = np.diag(single), single.sum(0) + single.sum(1) - np.diag(single)
+        image_miou[stem] = (tp[union > 0] / union[union > 0]).mean()
+    # worst/: every test image (4 < 16), lowest per-image mIoU first, each drawn as image | prediction | truth
+    import csv
+
+    with open(predictions / "worst" / "worst.csv") as f:
+        worst = list(csv.DictReader(f))
+    assert sorted(Path(r["image"]).stem for r in worst) == sorted(stems)
+    assert [float(r["miou"]) for r in worst] == pytest.approx(sorted(image_miou[Path(r["image"]).stem] for r in worst))
+    for r in worst:
+        assert float(r["miou"]) == pytest.approx(image_miou[Path(r["image"]).stem])
+        with Image.open(predictions / "worst" / r["file"]) as drawn:
+            assert drawn.size == (3 * 64, 64)
     metrics = json.loads((predictions / "metrics.json").read_text())
     tp = np.diag(confmat)
     union = confmat.sum(0) + confmat.sum(1) - tp
     assert metrics["test/miou"] == pytest.approx((tp[union > 0] / union[union > 0]).mean(), abs=1e-6)
     assert metrics["test/pixel_acc"] == pytest.approx(tp.sum() / confmat.sum(), abs=1e-6)
-    assert "test/iou/background" in metrics and "test/loss" in metrics
+    assert "test/loss" in metrics and metrics["params"] > 0 and metrics["gflops"] > 0
     check_per_class(predictions / "per_class.csv", confmat, (root / "class_names.txt").read_text().split())
 
 

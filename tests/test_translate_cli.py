@@ -64,7 +64,7 @@ def test_test_writes_hypotheses_in_source_order_and_the_scores_they_get(fitted, 
     refs = (data / "test.de").read_text(encoding="utf-8").splitlines()
     assert len(hyps) == len(refs)  # one line per source line
     metrics = json.loads((predictions / "metrics.json").read_text())
-    assert set(metrics) == {"test/bleu", "test/chrf", "test/chrf++", "test/loss", "test/ppl"}
+    assert set(metrics) == {"test/bleu", "test/chrf", "test/chrf++", "test/loss", "test/ppl", "params", "gflops", "gmacs"}
     # the numbers are sacreBLEU's on exactly these lines, against the raw references in file order
     assert metrics["test/bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
     assert metrics["test/chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score)
@@ -87,6 +87,12 @@ def check_sentence_scores(predictions: Path, hyps: list[str], refs: list[str], s
     for r, hyp, ref in zip(rows[1:], hyps, refs):
         assert float(r[1]) == pytest.approx(sacrebleu.sentence_bleu(hyp, [ref]).score, abs=1e-9)
         assert float(r[2]) == pytest.approx(sacrebleu.sentence_chrf(hyp, [ref]).score, abs=1e-9)
+    # worst/worst.tsv: the 16 lowest sentence chrF, lowest first (ties in file order), rows as in hypotheses.tsv
+    with open(predictions / "worst" / "worst.tsv", encoding="utf-8", newline="") as f:
+        worst = list(csv.reader(f, delimiter="\t"))
+    assert worst[0] == ["rank", *rows[0]]
+    expected = sorted(rows[1:], key=lambda r: (float(r[2]), int(r[0])))[:16]
+    assert [r[1:] for r in worst[1:]] == expected and [int(r[0]) for r in worst[1:]] == list(range(1, 17))
 
 
 def test_predict_translates_stdin_to_stdout_and_a_file_to_a_file(fitted, tmp_path):
