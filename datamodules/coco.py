@@ -39,16 +39,15 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import Dataset
-from torchvision import tv_tensors
 
 from datamodules.demo import demo_root
 # shared with the VOC datamodule; importable from here as before
 from datamodules.detection_common import (DetectionDataModule, ImageFiles, IoUCropWhenBoxes,  # noqa: F401
-                                          check_on_bad_image, collate_detection, collate_images, eval_transform,
-                                          ssd_train_transform, stack_detection, stack_images)
+                                          check_image_size, check_on_bad_image, collate_detection, collate_images,
+                                          detection_item, eval_transform, ssd_train_transform, stack_detection,
+                                          stack_images)
 from datamodules.images import IMAGENET_MEAN, IMAGENET_STD, OnBadImage, guarded, read_rgb
 
 DEMO_VERSION = 1
@@ -200,36 +199,40 @@ class CocoDetection(Dataset):
     def image_path(self, image_id: int) -> Path:
         return self.image_dir / self.coco.imgs[image_id]["file_name"]
 
-    def __getitem__(self, index: int):
+    def existing_image(self, index: int) -> Path:
         image_id = self.image_ids[index]
         path = self.image_path(image_id)
         if not path.is_file():
             raise FileNotFoundError(f"image file {path} of image_id {image_id} ({self.annotation_file}) not found")
+        return path
+
+    def annotation(self, index: int) -> dict:
+        """Sample ``index`` without its pixels: ``image_id``, the annotation file's ``width`` and
+        ``height``, the training objects (crowds left out) and the ground truth (:func:`detection_item`)."""
+        image_id = self.image_ids[index]
+        info, gt = self.coco.imgs[image_id], self.targets[image_id]
+        train = gt["iscrowd"] == 0
+        return {"index": index, "image_id": image_id, "width": int(info["width"]), "height": int(info["height"]),
+                "boxes": gt["boxes"][train], "labels": gt["labels"][train],
+                **{key: gt[key] for key in ("gt_boxes", "gt_labels", "gt_iscrowd", "gt_area")}}
+
+    def __getitem__(self, index: int):
+        path = self.existing_image(index)
         pixels = guarded(lambda: read_rgb(path), path, self.on_bad_image)
         if pixels is None:
             return None
-        height, width = pixels.shape[-2:]
-        info = self.coco.imgs[image_id]
+        sample = {**self.annotation(index), "path": str(path)}
         # boxes are clipped to, and evaluated in, the file's size: a different real size puts them in the wrong place
-        if (int(height), int(width)) != (int(info["height"]), int(info["width"])):
-            raise ValueError(f"image file {path} (image_id {image_id}) is {width}x{height} (width x height) but "
-                             f"{self.annotation_file} says {info['width']}x{info['height']}")
-        image = tv_tensors.Image(pixels)
-        gt = self.targets[image_id]
-        train = gt["iscrowd"] == 0
-        target = {
-            "boxes": tv_tensors.BoundingBoxes(torch.from_numpy(gt["boxes"][train]), format="XYXY",
-                                              canvas_size=(height, width)),
-            "labels": torch.from_numpy(gt["labels"][train]),
-        }
-        image, target = self.transform(image, target)
-        target.update({
-            "image_id": image_id,
-            "path": str(path),
-            "orig_size": (int(height), int(width)),
-            **{key: torch.from_numpy(gt[key]) for key in ("gt_boxes", "gt_labels", "gt_iscrowd", "gt_area")},
-        })
-        return image, target
+        check_image_size(pixels, sample["width"], sample["height"], f"{path} (image_id {sample['image_id']})",
+                         str(self.annotation_file))
+        return detection_item(pixels, sample, self.transform)
+
+    def stored_sample(self, index: int) -> dict:
+        """What ``python -m datamodules.optimize`` stores: the image file's bytes as they are, its path
+        relative to the dataset root, and :meth:`annotation`."""
+        path = self.existing_image(index)
+        return {**self.annotation(index), "image": path.read_bytes(),
+                "path": f"{self.image_dir.name}/{self.coco.imgs[self.image_ids[index]]['file_name']}"}
 
 
 class CocoDataModule(DetectionDataModule):
@@ -250,6 +253,9 @@ class CocoDataModule(DetectionDataModule):
         mean, std: normalisation (0/1 for CVNets checkpoints, which expect unnormalised input).
         on_bad_image: ``"fail"`` stops at an unreadable image file naming it; ``"skip"`` leaves it out of
             its batch and counts it in ``batch["skipped"]``.
+        streaming_root: a folder or object-store URL written by ``python -m datamodules.optimize --task
+            detect``; the splits (same names) are then streamed with LitData and ``root`` is not read
+            (:mod:`datamodules.streaming`). Target ``path`` is then relative to the dataset's root.
 
     Batches: ``{"image": (B, 3, S, S), "targets": [B dicts], "skipped": int}`` for fit/validate/test
     (target keys in :class:`CocoDetection`), ``{"image", "path": [B str], "orig_size": (B, 2) long,
@@ -261,13 +267,16 @@ class CocoDataModule(DetectionDataModule):
                  zoom_out_max: float = 4.0, iou_crop: bool = True, hflip: float = 0.5,
                  mean: tuple[float, float, float] = IMAGENET_MEAN, std: tuple[float, float, float] = IMAGENET_STD,
                  batch_size: int = 32, eval_batch_size: int | None = None, num_workers: int = 4,
-                 pin_memory: bool = True, persistent_workers: bool = True, on_bad_image: OnBadImage = "fail"):
+                 pin_memory: bool = True, persistent_workers: bool = True, on_bad_image: OnBadImage = "fail",
+                 streaming_root: str | None = None):
         super().__init__()
         check_on_bad_image(on_bad_image)
         self.save_hyperparameters()
         self._root = Path(root).expanduser() if root else None
         self._categories: list[dict] | None = None
         self._categories_file: Path | None = None
+
+    streaming_layout = "coco"
 
     # -- what the model needs to know about the data ---------------------------------------------------
     @property
@@ -282,6 +291,8 @@ class CocoDataModule(DetectionDataModule):
     @property
     def categories(self) -> list[dict]:
         """``categories`` of the training annotation file (or the validation one), sorted by id."""
+        if self._categories is None and self.streamed is not None:
+            self._categories = list(self.streamed.data["categories"])
         if self._categories is None:
             source = self.annotation_file(self.hparams.train_split)
             if not source.is_file():
@@ -313,18 +324,34 @@ class CocoDataModule(DetectionDataModule):
     def test_split(self) -> str:
         if self.hparams.test_split:
             return self.hparams.test_split
+        if self.streamed is not None:
+            return "test2017" if self.streamed.has_split("test2017") else self.hparams.val_split
         return "test2017" if self.annotation_file("test2017").is_file() else self.hparams.val_split
 
     # -- datasets and loaders --------------------------------------------------------------------------
     def split(self, name: str, train: bool = False) -> CocoDetection:
-        h = self.hparams
-        transform = (ssd_train_transform(h.image_size, h.mean, h.std, h.zoom_out_max, h.iou_crop, h.hflip) if train
-                     else eval_transform(h.image_size, h.mean, h.std))
+        if self.streamed is not None:
+            return self.streamed_split(name, train)
         category_ids = self.category_ids  # reads the categories' file first, so it can be named in errors
-        dataset = CocoDetection(self.root / name, self.annotation_file(name), transform, category_ids,
-                                on_bad_image=h.on_bad_image, category_source=self._categories_file)
+        dataset = CocoDetection(self.root / name, self.annotation_file(name), self.transform(train), category_ids,
+                                on_bad_image=self.hparams.on_bad_image, category_source=self._categories_file)
         rank_zero_info(f"{name}: {len(dataset)} images, {len(dataset.coco.anns)} annotations")
         return dataset
+
+    # -- what python -m datamodules.optimize writes -----------------------------------------------------
+    def streaming_sources(self, splits: Sequence[str] | None = None) -> dict[str, CocoDetection]:
+        """The splits to convert (default: train, val, and test2017 when it has annotations)."""
+        h = self.hparams
+        names = splits or [h.train_split, h.val_split] + ([self.test_split] if self.test_split != h.val_split else [])
+        sources = {name: self.split(name) for name in names}
+        for dataset in sources.values():  # a missing image stops here, named, before any conversion starts
+            for index in range(len(dataset)):
+                dataset.existing_image(index)
+        return sources
+
+    def streaming_info(self) -> dict:
+        """What the model learns from the data, stored with the optimized dataset."""
+        return {"categories": [{"id": c["id"], "name": c["name"]} for c in self.categories]}
 
     def test_images(self) -> Path:
         return self.root / self.test_split

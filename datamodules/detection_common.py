@@ -18,6 +18,7 @@ batch whose images were all unreadable is ``{"skipped": n}``.
 """
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -111,6 +112,70 @@ def eval_transform(image_size: int, mean: Sequence[float], std: Sequence[float])
                        v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
+#: the ground truth of a detection target, in original pixels, as evaluation reads it (VOC adds ``gt_difficult``)
+GROUND_TRUTH_KEYS = ("gt_boxes", "gt_labels", "gt_iscrowd", "gt_area", "gt_difficult")
+
+
+def check_image_size(pixels: torch.Tensor, width: int | None, height: int | None, image: str, annotation: str) -> None:
+    """Boxes are placed in, and evaluated at, the annotation's size: an image of another size is an error
+    naming ``image`` and ``annotation`` (a size of 0 or ``None`` is unknown and not checked)."""
+    actual_height, actual_width = (int(s) for s in pixels.shape[-2:])
+    if width and height and (actual_height, actual_width) != (int(height), int(width)):
+        raise ValueError(f"image file {image} is {actual_width}x{actual_height} (width x height) but {annotation} "
+                         f"says {width}x{height}")
+
+
+def detection_item(pixels: torch.Tensor, sample: dict, transform, use_difficult: bool = True) -> tuple:
+    """(3, H, W) uint8 pixels + their ``sample`` -> ``(image, target)`` of the detection contract.
+
+    ``sample`` holds ``image_id``, ``path``, the training objects ``boxes`` (G, 4) xyxy in original
+    pixels and ``labels`` (G,) (VOC: with ``difficult`` (G,), left out unless ``use_difficult``) and the
+    ground truth (:data:`GROUND_TRUTH_KEYS`). Training boxes are clamped to the image (a VOC file may
+    not give its size) and boxes with no area left dropped. Shared by the folder-read and the
+    streamed datasets of COCO and VOC, so all give the same items."""
+    height, width = (int(s) for s in pixels.shape[-2:])
+    boxes, labels = torch.from_numpy(sample["boxes"]), torch.from_numpy(sample["labels"])
+    if not use_difficult and "difficult" in sample:
+        easy = ~torch.from_numpy(sample["difficult"])
+        boxes, labels = boxes[easy], labels[easy]
+    boxes = boxes.clamp(min=torch.zeros(4), max=torch.tensor([width, height, width, height], dtype=torch.float32))
+    keep = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
+    target = {"boxes": tv_tensors.BoundingBoxes(boxes[keep], format="XYXY", canvas_size=(height, width)),
+              "labels": labels[keep]}
+    image, target = transform(tv_tensors.Image(pixels), target)
+    target.update({
+        "image_id": int(sample["image_id"]),
+        "path": sample["path"],
+        "orig_size": (height, width),
+        **{key: torch.from_numpy(sample[key]) for key in GROUND_TRUTH_KEYS if key in sample},
+    })
+    return image, target
+
+
+def streamed_detection_item(sample: dict, where: str, transform, on_bad_image: OnBadImage,
+                            use_difficult: bool = True) -> tuple | None:
+    """A sample stored by ``datamodules.optimize`` -> the ``(image, target)`` the folder dataset gives;
+    ``None`` for an unreadable image under ``on_bad_image="skip"``."""
+    from datamodules.streaming import decode_rgb
+
+    pixels = guarded(lambda: decode_rgb(sample["image"], where), where, on_bad_image)
+    if pixels is None:
+        return None
+    check_image_size(pixels, int(sample["width"]), int(sample["height"]), where, "its annotation")
+    return detection_item(pixels, sample, transform, use_difficult)
+
+
+def streamed_image_item(sample: dict, where: str, transform, on_bad_image: OnBadImage) -> tuple | None:
+    """A stored sample -> the ``predict`` item of :class:`ImageFiles` (``path`` relative to the dataset root)."""
+    from datamodules.streaming import decode_rgb
+
+    pixels = guarded(lambda: decode_rgb(sample["image"], where), where, on_bad_image)
+    if pixels is None:
+        return None
+    info = {"path": sample["path"], "orig_size": tuple(int(s) for s in pixels.shape[-2:])}
+    return transform(tv_tensors.Image(pixels)), info
+
+
 def stack_detection(items: list[tuple[torch.Tensor, dict]]) -> dict:
     """``(image, target)`` items -> ``{"image": (B, 3, S, S), "targets": [B dicts]}``: images stack
     (all the same size after resizing), targets stay a list (box counts vary)."""
@@ -149,9 +214,33 @@ class DetectionDataModule(SplitLoaders, LightningDataModule):
     """
 
     evaluation_metric = "coco"
+    streaming_task = "detect"
 
     def split(self, name, train: bool = False) -> Dataset:
         raise NotImplementedError
+
+    @property
+    def streamed(self):
+        """The optimized dataset at ``hparams.streaming_root`` (:class:`datamodules.streaming.OptimizedDataset`),
+        or ``None`` when the data is read from ``root``."""
+        if self.hparams.get("streaming_root") is None:
+            return None
+        if getattr(self, "_streamed", None) is None:
+            from datamodules.streaming import OptimizedDataset
+
+            self._streamed = OptimizedDataset(self.hparams.streaming_root, self.streaming_layout)
+        return self._streamed
+
+    def transform(self, train: bool):
+        h = self.hparams
+        return (ssd_train_transform(h.image_size, h.mean, h.std, h.zoom_out_max, h.iou_crop, h.hflip) if train
+                else eval_transform(h.image_size, h.mean, h.std))
+
+    def streamed_split(self, name, train: bool = False, use_difficult: bool = True):
+        """Split ``name`` of the optimized dataset, its items those of the folder-read split."""
+        item = partial(streamed_detection_item, transform=self.transform(train), on_bad_image=self.hparams.on_bad_image,
+                       use_difficult=use_difficult)
+        return self.streamed.split(name, item, train=train)
 
     def test_images(self) -> Path | list[Path]:
         raise NotImplementedError
@@ -166,12 +255,17 @@ class DetectionDataModule(SplitLoaders, LightningDataModule):
             self.test_set = self.split(self.test_split)
         if stage == "predict":
             # with predict_path, root is not touched: no demo build, no annotation read
+            transform = eval_transform(h.image_size, h.mean, h.std)
+            if not h.predict_path and self.streamed is not None:
+                item = partial(streamed_image_item, transform=transform, on_bad_image=h.on_bad_image)
+                self.predict_set = self.streamed.split(self.test_split, item)
+                return
             source = Path(h.predict_path).expanduser() if h.predict_path else self.test_images()
-            self.predict_set = ImageFiles(source, eval_transform(h.image_size, h.mean, h.std), h.on_bad_image)
+            self.predict_set = ImageFiles(source, transform, h.on_bad_image)
 
     def _loader(self, dataset, train: bool):
         h = self.hparams
-        collate = collate_images if isinstance(dataset, ImageFiles) else collate_detection
+        collate = collate_images if dataset is getattr(self, "predict_set", None) else collate_detection
         return make_loader(dataset, batch_size=h.batch_size if train else (h.eval_batch_size or h.batch_size),
                            num_workers=h.num_workers, train=train, pin_memory=h.pin_memory,
                            persistent_workers=h.persistent_workers, collate_fn=collate,

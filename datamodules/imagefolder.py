@@ -13,6 +13,7 @@ datamodule, 16-bit PNGs scaled, errors naming the file). Batches are dicts:
 """
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Literal, Sequence
 
@@ -73,6 +74,26 @@ def scan_split(split_dir: Path, classes: Sequence[str] | None = None) -> tuple[l
     return samples, classes
 
 
+def labelled_item(image: torch.Tensor, sample: dict, transform) -> dict:
+    """(3, H, W) uint8 image + its ``sample`` (``index``, ``target``, ``path``) -> the dataset item.
+    Shared by the folder and the streamed datasets, so both give the same items."""
+    return {"image": transform(image), "target": sample["target"], "index": sample["index"], "path": sample["path"]}
+
+
+def streamed_labelled_item(sample: dict, where: str, transform, on_bad_image: OnBadImage) -> dict | None:
+    """A sample stored by ``datamodules.optimize`` -> the item of :class:`ImageFolderDataset`."""
+    from datamodules.streaming import decode_rgb
+
+    image = guarded(lambda: decode_rgb(sample["image"], where), where, on_bad_image)
+    return None if image is None else labelled_item(image, sample, transform)
+
+
+def streamed_image_item(sample: dict, where: str, transform, on_bad_image: OnBadImage) -> dict | None:
+    """A stored sample -> a ``predict`` item (:class:`ImageFileDataset`'s keys), its label left out."""
+    item = streamed_labelled_item(sample, where, transform, on_bad_image)
+    return None if item is None else {key: item[key] for key in ("image", "index", "path")}
+
+
 class ImageFolderDataset(Dataset):
     """Labelled images. Items are dicts ``{"image": (3, S, S) float, "target": int, "index": int,
     "path": str}`` with ``path`` relative to ``root`` (posix), as the predictions file names it.
@@ -100,7 +121,13 @@ class ImageFolderDataset(Dataset):
         image = guarded(lambda: read_rgb(path), path, self.on_bad_image)
         if image is None:
             return None
-        return {"image": self.transform(image), "target": target, "index": index, "path": self.relative_path(index)}
+        return labelled_item(image, {"index": index, "target": target, "path": self.relative_path(index)},
+                             self.transform)
+
+    def stored_sample(self, index: int) -> dict:
+        """What ``python -m datamodules.optimize`` stores for sample ``index``: the file's bytes as they are."""
+        path, target = self.samples[index]
+        return {"index": index, "image": path.read_bytes(), "target": target, "path": self.relative_path(index)}
 
 
 class ImageFileDataset(Dataset):
@@ -208,9 +235,15 @@ class ImageFolderDataModule(SplitLoaders, LightningDataModule):
         predict_path: one image file, or a folder of images for ``predict``: a plain folder or a
             labelled one (``<class>/<image>``), sub-folders included, hidden files and folders left
             out; ``root`` is then not read. Default: the test split's images.
+        streaming_root: a folder or object-store URL written by ``python -m datamodules.optimize --task
+            classify``; the splits (same names) are then streamed with LitData and ``root`` is not read
+            (:mod:`datamodules.streaming`).
 
     Batches: see the module docstring.
     """
+
+    #: what ``datamodules.optimize`` converts this datamodule's data for (the manifest's task and layout)
+    streaming_task, streaming_layout = "classify", "imagefolder"
 
     def __init__(self, root: str | None = None, train_dir: str = "train", val_dir: str = "val",
                  test_dir: str = "test", image_size: int = 224, eval_resize: int | None = None,
@@ -220,13 +253,27 @@ class ImageFolderDataModule(SplitLoaders, LightningDataModule):
                  std: tuple[float, float, float] = IMAGENET_STD, interpolation: str = "bilinear",
                  batch_size: int = 128, eval_batch_size: int | None = None, num_workers: int = 4,
                  pin_memory: bool = True, persistent_workers: bool = True,
-                 on_bad_image: Literal["fail", "skip"] = "fail", predict_path: str | None = None):
+                 on_bad_image: Literal["fail", "skip"] = "fail", predict_path: str | None = None,
+                 streaming_root: str | None = None):
         super().__init__()
         if on_bad_image not in ("fail", "skip"):
             raise ValueError(f"on_bad_image must be 'fail' or 'skip', got {on_bad_image!r}")
         self.save_hyperparameters()
         self._root = Path(root).expanduser() if root else None
         self._classes: list[str] | None = None
+        self._streamed = None
+
+    @property
+    def streamed(self):
+        """The optimized dataset at ``streaming_root`` (:class:`datamodules.streaming.OptimizedDataset`),
+        or ``None``."""
+        if self.hparams.streaming_root is None:
+            return None
+        if self._streamed is None:
+            from datamodules.streaming import OptimizedDataset
+
+            self._streamed = OptimizedDataset(self.hparams.streaming_root, self.streaming_layout)
+        return self._streamed
 
     @property
     def root(self) -> Path:
@@ -241,6 +288,8 @@ class ImageFolderDataModule(SplitLoaders, LightningDataModule):
     @property
     def classes(self) -> list[str]:
         """Class folder names of the training split, sorted (hidden folders left out); label i is ``classes[i]``."""
+        if self._classes is None and self.streamed is not None:
+            self._classes = list(self.streamed.data["classes"])
         if self._classes is None:
             train = self.root / self.hparams.train_dir
             self._classes = class_folders(train)
@@ -259,18 +308,23 @@ class ImageFolderDataModule(SplitLoaders, LightningDataModule):
 
     def _dataset(self, split_dir: str, train: bool) -> ImageFolderDataset:
         h = self.hparams
-        samples, _ = scan_split(self.root / split_dir, self.classes)
         if train:
             transform = train_transform(h.image_size, tuple(h.scale), h.hflip, h.rand_augment,
                                         h.rand_augment_magnitude, h.random_erasing, h.mean, h.std, h.interpolation)
         else:
             transform = self._eval_transform()
+        if self.streamed is not None:
+            item = partial(streamed_labelled_item, transform=transform, on_bad_image=h.on_bad_image)
+            return self.streamed.split(split_dir, item, train=train)
+        samples, _ = scan_split(self.root / split_dir, self.classes)
         return ImageFolderDataset(samples, transform, h.on_bad_image, root=self.root)
 
     @property
     def test_dir(self) -> str:
         """The split ``test`` scores: ``test_dir`` when ``root`` has that folder (labelled, in the
         ``<class>/<image>`` layout), else ``val_dir`` (ARCHITECTURE.md: what ``test`` scores)."""
+        if self.streamed is not None:
+            return self.hparams.test_dir if self.streamed.has_split(self.hparams.test_dir) else self.hparams.val_dir
         return self.hparams.test_dir if (self.root / self.hparams.test_dir).is_dir() else self.hparams.val_dir
 
     def _predict_dataset(self) -> ImageFileDataset:
@@ -278,9 +332,24 @@ class ImageFolderDataModule(SplitLoaders, LightningDataModule):
         if h.predict_path:  # only the given images: root (and the demo build) stay untouched
             # a plain folder of images, or a labelled one (<class>/<image>): both are searched whole
             files = predict_images(Path(h.predict_path), recursive=True)
+        elif self.streamed is not None:
+            item = partial(streamed_image_item, transform=self._eval_transform(), on_bad_image=h.on_bad_image)
+            return self.streamed.split(self.test_dir, item)
         else:
             files = [path for path, _ in scan_split(self.root / self.test_dir, self.classes)[0]]
         return ImageFileDataset(files, self._eval_transform(), h.on_bad_image)
+
+    # -- what python -m datamodules.optimize writes -----------------------------------------------------
+    def streaming_sources(self, splits: Sequence[str] | None = None) -> dict[str, ImageFolderDataset]:
+        """The splits to convert (default: train, val and test when present), each with ``stored_sample``."""
+        h = self.hparams
+        names = list(splits or [h.train_dir, h.val_dir] + ([h.test_dir] if (self.root / h.test_dir).is_dir() else []))
+        return {name: ImageFolderDataset(scan_split(self.root / name, self.classes)[0], None, root=self.root)
+                for name in names}
+
+    def streaming_info(self) -> dict:
+        """What the model learns from the data, stored with the optimized dataset."""
+        return {"classes": self.classes}
 
     def setup(self, stage: str) -> None:
         if stage == "fit":

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 
 def _world() -> tuple[int, int]:
@@ -30,6 +30,27 @@ def eval_sampler(dataset: Dataset) -> UnrepeatedDistributedSampler | None:
     the single-process values. Lightning keeps a sampler that is already distributed."""
     world, _ = _world()
     return UnrepeatedDistributedSampler(dataset, shuffle=False) if world > 1 else None
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The RNG seed of sample ``index``'s augmentation in ``epoch``: the same whatever the order, the
+    rank or the worker that reads it, and whether it is read from files or streamed."""
+    return hash((seed, epoch, index)) & 0x7FFF_FFFF
+
+
+def run_seeded(read: Callable[[], object], seed: int):
+    """``read()`` under the torch, numpy and Python RNG seed ``seed``, restoring the caller's RNG states
+    afterwards (dropout draws in the main process are untouched when ``num_workers=0``)."""
+    np_state, py_state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        try:
+            return read()
+        finally:
+            np.random.set_state(np_state)
+            random.setstate(py_state)
 
 
 def restart_position(trainer) -> tuple[int, int] | None:
@@ -73,13 +94,11 @@ class ResumableSampler(DistributedSampler):
             skip = trained * self.batch_size
         epoch = self.epoch
         indices = list(super().__iter__())[skip:]
-        return iter([(i, hash((self.seed, epoch, i)) & 0x7FFF_FFFF) for i in indices])
+        return iter([(i, sample_seed(self.seed, epoch, i)) for i in indices])
 
 
 class SeededSamples(Dataset):
-    """Runs ``dataset[index]`` under the torch, numpy and Python RNG seed that came with the
-    index, restoring the caller's RNG states afterwards (dropout draws in the main process
-    are untouched when ``num_workers=0``)."""
+    """Runs ``dataset[index]`` under the RNG seed that came with the index (:func:`run_seeded`)."""
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
@@ -91,16 +110,7 @@ class SeededSamples(Dataset):
         if not isinstance(key, tuple):  # a plain sampler (e.g. Lightning's overfit_batches swaps one in)
             return self.dataset[key]
         index, seed = key
-        np_state, py_state = np.random.get_state(), random.getstate()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            np.random.seed(seed)
-            random.seed(seed)
-            try:
-                return self.dataset[index]
-            finally:
-                np.random.set_state(np_state)
-                random.setstate(py_state)
+        return run_seeded(lambda: self.dataset[index], seed)
 
 
 def make_loader(dataset: Dataset, *, batch_size: int, num_workers: int, train: bool, pin_memory: bool = True,
@@ -108,7 +118,15 @@ def make_loader(dataset: Dataset, *, batch_size: int, num_workers: int, train: b
                 collate_fn: Callable | None = None, trainer=None, seed: int = 0) -> DataLoader:
     """A DataLoader with the suite's conventions: resumable seeded shuffling and drop_last for
     training (pass the datamodule's ``trainer`` to resume mid-epoch), unrepeated distributed
-    sampling for evaluation, workers kept alive between epochs."""
+    sampling for evaluation, workers kept alive between epochs. A split streamed from an optimized
+    dataset (an ``IterableDataset``: :class:`datamodules.streaming.StreamedSplit`) gets LitData's loader
+    with the same conventions (:func:`datamodules.streaming.streaming_loader`)."""
+    if isinstance(dataset, IterableDataset):
+        from datamodules.streaming import streaming_loader
+
+        return streaming_loader(dataset, batch_size=batch_size, num_workers=num_workers, train=train,
+                                pin_memory=pin_memory, persistent_workers=persistent_workers,
+                                prefetch_factor=prefetch_factor, collate_fn=collate_fn, trainer=trainer, seed=seed)
     extra = {}
     if num_workers > 0:
         extra["persistent_workers"] = persistent_workers

@@ -36,9 +36,11 @@ whose images were all skipped (``on_bad_image="skip"``) is ``{"skipped": n}``.
 """
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal, Sequence
 
 import numpy as np
 import torch
@@ -191,22 +193,69 @@ def voc_samples(root: Path, split: str, mask_dir: str = "SegmentationClass") -> 
 
 
 # -- dataset -----------------------------------------------------------------------------------------------
-def read_mask(path: Path) -> np.ndarray:
-    """(H, W) stored values of a palette or grayscale PNG (palette indices, not colours).
+def read_mask(path: Path | BinaryIO, name: str | None = None) -> np.ndarray:
+    """(H, W) stored values of a palette or grayscale PNG (palette indices, not colours); ``path`` may be
+    an open file (a streamed mask's bytes), named ``name`` in errors.
 
     A file that cannot be decoded (empty, truncated) raises :class:`BadImageError` naming it, so
     ``on_bad_image="skip"`` skips its sample like one with an unreadable image; a decodable mask
     of the wrong kind (RGB) is a ``ValueError``: the dataset is wrong, skipping would hide it."""
+    name = name or path
     try:
         with Image.open(path) as img:
             mode = img.mode
             # np.asarray decodes the pixels: truncation surfaces here, not at open
             stored = np.asarray(img) if mode in ("P", "L", "I", "I;16") else None
     except Exception as err:  # PIL raises several types for empty, truncated or foreign files
-        raise BadImageError(path, str(err) or type(err).__name__) from err
+        raise BadImageError(name, str(err) or type(err).__name__) from err
     if stored is None:
-        raise ValueError(f"mask {path} is a {mode} image; expected a single-channel (palette or grayscale) PNG")
+        raise ValueError(f"mask {name} is a {mode} image; expected a single-channel (palette or grayscale) PNG")
     return stored
+
+
+def image_and_labels(image: np.ndarray, stored: np.ndarray | None, mask_format: MaskFormat | None, image_name,
+                     mask_name) -> tuple[np.ndarray, np.ndarray | None]:
+    """(H, W, 3) image + its mask's stored values -> the image and (H, W) uint8 labels, the mask checked
+    against the image's size and the dataset's values (errors name both files)."""
+    if stored is None:
+        return image, None
+    if stored.shape != image.shape[:2]:
+        raise ValueError(f"image {image_name} is {image.shape[1]}x{image.shape[0]} but its mask {mask_name} is "
+                         f"{stored.shape[1]}x{stored.shape[0]} (width x height)")
+    return image, mask_format.decode(stored, mask_name)
+
+
+def segmentation_item(image: np.ndarray, labels: np.ndarray | None, index: int, path: str, transform,
+                      mode: str) -> dict:
+    """A loaded sample -> the item of :class:`SegmentationDataset` in ``mode``; shared by the folder and the
+    streamed datasets, so both give the same items."""
+    if mode == "train":
+        # albumentations draws from its own generators (OS-seeded unless told otherwise); seed them
+        # from torch's RNG, which the loader seeds per worker / per sample, so runs are reproducible
+        transform.set_random_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+        out = transform(image=image, mask=labels)
+        return {"image": out["image"], "mask": out["mask"].long()}
+    item = {"image": transform(image=image)["image"], "index": index, "path": path}
+    if mode == "eval":
+        item["mask"] = torch.from_numpy(labels).long()
+    else:
+        item["orig_size"] = torch.tensor(image.shape[:2], dtype=torch.long)
+    return item
+
+
+def streamed_segmentation_item(sample: dict, where: str, mask_format: MaskFormat | None, transform, mode: str,
+                               on_bad_image: OnBadImage) -> dict | None:
+    """A sample stored by ``datamodules.optimize`` -> the item of :class:`SegmentationDataset` (``predict``
+    leaves the mask out); ``None`` when its image or mask cannot be decoded under ``on_bad_image="skip"``."""
+    from datamodules.streaming import decode_rgb
+
+    def load():
+        image = decode_rgb(sample["image"], where).permute(1, 2, 0).numpy()
+        stored = None if mode == "predict" else read_mask(io.BytesIO(sample["mask"]), f"{where} mask")
+        return image_and_labels(image, stored, mask_format, where, f"{where} mask")
+
+    loaded = guarded(load, where, on_bad_image)
+    return None if loaded is None else segmentation_item(*loaded, int(sample["index"]), sample["path"], transform, mode)
 
 
 class SegmentationDataset(Dataset):
@@ -224,9 +273,10 @@ class SegmentationDataset(Dataset):
     """
 
     def __init__(self, samples: list[Sample], mask_format: MaskFormat | None, transform, mode: str,
-                 on_bad_image: OnBadImage = "fail"):
+                 on_bad_image: OnBadImage = "fail", root: Path | None = None):
         if mode not in ("train", "eval", "predict"):
             raise ValueError(f"unknown mode {mode!r}")
+        self.root = root
         self.samples = samples
         self.mask_format = mask_format
         self.transform = transform
@@ -243,31 +293,21 @@ class SegmentationDataset(Dataset):
         """(H, W, 3) uint8 image and (H, W) uint8 labels (or ``None`` without a mask)."""
         image_path, mask_path = self.samples[index]
         image = read_rgb_array(image_path)
-        if mask_path is None:
-            return image, None
-        stored = read_mask(mask_path)
-        if stored.shape != image.shape[:2]:
-            raise ValueError(f"image {image_path} is {image.shape[1]}x{image.shape[0]} but its mask {mask_path} is "
-                             f"{stored.shape[1]}x{stored.shape[0]} (width x height)")
-        return image, self.mask_format.decode(stored, mask_path)
+        stored = None if mask_path is None else read_mask(mask_path)
+        return image_and_labels(image, stored, self.mask_format, image_path, mask_path)
 
     def __getitem__(self, index: int) -> dict | None:
         loaded = guarded(lambda: self.load(index), self.samples[index][0], self.on_bad_image)
         if loaded is None:
             return None
-        image, labels = loaded
-        if self.mode == "train":
-            # albumentations draws from its own generators (OS-seeded unless told otherwise); seed them
-            # from torch's RNG, which the loader seeds per worker / per sample, so runs are reproducible
-            self.transform.set_random_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
-            out = self.transform(image=image, mask=labels)
-            return {"image": out["image"], "mask": out["mask"].long()}
-        item = {"image": self.transform(image=image)["image"], "index": index, "path": str(self.samples[index][0])}
-        if self.mode == "eval":
-            item["mask"] = torch.from_numpy(labels).long()
-        else:
-            item["orig_size"] = torch.tensor(image.shape[:2], dtype=torch.long)
-        return item
+        return segmentation_item(*loaded, index, str(self.samples[index][0]), self.transform, self.mode)
+
+    def stored_sample(self, index: int) -> dict:
+        """What ``python -m datamodules.optimize`` stores: the image's and the mask's bytes as they are and
+        the image's path relative to the dataset root."""
+        image, mask = self.samples[index]
+        return {"index": index, "image": image.read_bytes(), "mask": mask.read_bytes(),
+                "path": image.relative_to(self.root).as_posix()}
 
 
 # -- demo data in the VOC layout -----------------------------------------------------------------------------
@@ -356,9 +396,14 @@ class SegmentationDataModule(SplitLoaders, LightningDataModule):
             the sample and counts it (``batch["skipped"]``).
         predict_path: one image file or a folder of images for ``predict``; ``root`` is then not
             read. Default: the test split's images.
+        streaming_root: a folder or object-store URL written by ``python -m datamodules.optimize --task
+            segment`` (with the same ``dataset``); the splits are then streamed with LitData and ``root``
+            is not read (:mod:`datamodules.streaming`). ``path`` is then relative to the dataset's root.
 
     Batches: see the module docstring.
     """
+
+    streaming_task, streaming_layout = "segment", "segmentation"
 
     def __init__(self, root: str | None = None, dataset: Literal["ade20k", "voc"] = "voc", aug_masks: bool = False,
                  crop_size: int = 512, scale_range: tuple[float, float] = (0.5, 2.0), hflip: float = 0.5,
@@ -366,19 +411,38 @@ class SegmentationDataModule(SplitLoaders, LightningDataModule):
                  eval_short_side: int | None = 512, mean: tuple[float, float, float] = IMAGENET_MEAN,
                  std: tuple[float, float, float] = IMAGENET_STD, batch_size: int = 16, num_workers: int = 4,
                  pin_memory: bool = True, persistent_workers: bool = True,
-                 on_bad_image: Literal["fail", "skip"] = "fail", predict_path: str | None = None):
+                 on_bad_image: Literal["fail", "skip"] = "fail", predict_path: str | None = None,
+                 streaming_root: str | None = None):
         super().__init__()
         if dataset not in ("ade20k", "voc"):
             raise ValueError(f"dataset must be 'ade20k' or 'voc', got {dataset!r}")
         if aug_masks and dataset != "voc":
             raise ValueError("aug_masks (SBD-augmented masks) exists only for dataset='voc'")
-        if root is None and dataset != "voc":
+        if root is None and streaming_root is None and dataset != "voc":
             raise ValueError("the embedded demo is in the VOC layout: use dataset='voc' or give data.root")
         if on_bad_image not in ("fail", "skip"):
             raise ValueError(f"on_bad_image must be 'fail' or 'skip', got {on_bad_image!r}")
         self.save_hyperparameters()
         self._root = Path(root).expanduser() if root else None
         self._class_names: list[str] | None = None
+        self._streamed = None
+
+    @property
+    def streamed(self):
+        """The optimized dataset at ``streaming_root`` (:class:`datamodules.streaming.OptimizedDataset`),
+        or ``None``."""
+        if self.hparams.streaming_root is None:
+            return None
+        if self._streamed is None:
+            from datamodules.streaming import OptimizedDataset
+
+            streamed = OptimizedDataset(self.hparams.streaming_root, self.streaming_layout)
+            if streamed.data["dataset"] != self.hparams.dataset:
+                raise ValueError(f"data.streaming_root={streamed.root} holds a {streamed.data['dataset']!r} dataset, "
+                                 f"but data.dataset={self.hparams.dataset!r} (its label encoding): set "
+                                 f"--data.dataset {streamed.data['dataset']}")
+            self._streamed = streamed
+        return self._streamed
 
     # -- what the model needs to know about the data ------------------------------------------------------
     @property
@@ -392,6 +456,8 @@ class SegmentationDataModule(SplitLoaders, LightningDataModule):
     @property
     def class_names(self) -> list[str]:
         """Label i is ``class_names[i]`` (the ignore label is not a class)."""
+        if self._class_names is None and self.streamed is not None:
+            self._class_names = list(self.streamed.data["class_names"])
         if self._class_names is None:
             listed = self.root / "class_names.txt"
             if listed.is_file():
@@ -428,33 +494,54 @@ class SegmentationDataModule(SplitLoaders, LightningDataModule):
         return encode_labels(labels, offset, palette)
 
     # -- splits --------------------------------------------------------------------------------------------
-    def _split_samples(self, stage: str) -> list[Sample]:
+    def split_name(self, stage: str) -> str:
+        """The split a stage reads (``train``, ``val``, ``test``): ADE20k's ``training`` / ``validation``, VOC's
+        ``train`` (``train_aug`` with ``aug_masks``), ``val``, and ``test`` when its masks exist."""
         h = self.hparams
         if h.dataset == "ade20k":
-            return ade20k_samples(self.root, "training" if stage == "train" else "validation")
+            return "training" if stage == "train" else "validation"
         if stage == "train":
-            return voc_samples(self.root, "train_aug", "SegmentationClassAug") if h.aug_masks else \
-                voc_samples(self.root, "train")
-        if stage == "test" and self._has_labelled_voc_test():
-            return voc_samples(self.root, "test")
-        return voc_samples(self.root, "val")
+            return "train_aug" if h.aug_masks else "train"
+        return "test" if stage == "test" and self._has_labelled_voc_test() else "val"
+
+    def _split_samples(self, stage: str) -> list[Sample]:
+        return self._samples(self.split_name(stage))
+
+    def _samples(self, split: str) -> list[Sample]:
+        if self.hparams.dataset == "ade20k":
+            return ade20k_samples(self.root, split)
+        return voc_samples(self.root, split, "SegmentationClassAug" if split == "train_aug" else "SegmentationClass")
 
     def _has_labelled_voc_test(self) -> bool:
         """VOC's official test list has no masks; a test list whose masks exist (the demo's) is scored."""
+        if self.streamed is not None:
+            return self.streamed.has_split("test")
         list_file = self.root / "ImageSets" / "Segmentation" / "test.txt"
         if not list_file.is_file():
             return False
         first = read_split_list(list_file)[0]
         return (self.root / "SegmentationClass" / f"{first}.png").is_file()
 
+    def _streamed_dataset(self, stage: str, transform):
+        h = self.hparams
+        mode = {"train": "train", "predict": "predict"}.get(stage, "eval")
+        item = partial(streamed_segmentation_item, mask_format=None if mode == "predict" else self.mask_format,
+                       transform=transform, mode=mode, on_bad_image=h.on_bad_image)
+        return self.streamed.split(self.split_name("test" if stage == "predict" else stage), item,
+                                   train=stage == "train")
+
     def _dataset(self, stage: str) -> SegmentationDataset:
         h = self.hparams
         if stage == "train":
             transform = train_transform(h.crop_size, h.scale_range, h.hflip, h.photometric, h.blur, h.rotate_degrees,
                                         h.rotate_p, h.mean, h.std, IGNORE_INDEX)
+            if self.streamed is not None:
+                return self._streamed_dataset(stage, transform)
             return SegmentationDataset(self._split_samples("train"), self.mask_format, transform, "train",
                                        h.on_bad_image)
         transform = eval_transform(h.eval_short_side, h.mean, h.std)
+        if self.streamed is not None and not (stage == "predict" and h.predict_path):
+            return self._streamed_dataset(stage, transform)
         if stage == "predict":
             if h.predict_path:  # only the given images: root (and the demo build) stay untouched
                 # not recursive: outputs are named by the image's stem, which must be unique
@@ -465,6 +552,17 @@ class SegmentationDataModule(SplitLoaders, LightningDataModule):
             return SegmentationDataset([(image, None) for image in images], None, transform, "predict",
                                        h.on_bad_image)
         return SegmentationDataset(self._split_samples(stage), self.mask_format, transform, "eval", h.on_bad_image)
+
+    # -- what python -m datamodules.optimize writes -----------------------------------------------------
+    def streaming_sources(self, splits: Sequence[str] | None = None) -> dict[str, SegmentationDataset]:
+        """The splits to convert (default: those fit and test read), each with ``stored_sample``."""
+        names = splits or list(dict.fromkeys(self.split_name(stage) for stage in ("train", "val", "test")))
+        return {name: SegmentationDataset(self._samples(name), self.mask_format, None, "eval", root=self.root)
+                for name in names}
+
+    def streaming_info(self) -> dict:
+        """What the model learns from the data, stored with the optimized dataset."""
+        return {"dataset": self.hparams.dataset, "class_names": self.class_names}
 
     def setup(self, stage: str) -> None:
         if stage == "fit":

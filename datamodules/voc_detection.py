@@ -48,19 +48,18 @@ With no ``root`` the datamodule writes the handwritten-digit scenes of
 from __future__ import annotations
 
 import math
+import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import Dataset
-from torchvision import tv_tensors
 
 from datamodules.demo import demo_root
-from datamodules.detection_common import DetectionDataModule, check_on_bad_image, eval_transform, ssd_train_transform
+from datamodules.detection_common import DetectionDataModule, check_image_size, check_on_bad_image, detection_item
 from datamodules.images import IMAGENET_MEAN, IMAGENET_STD, OnBadImage, guarded, read_rgb
 
 #: Pascal VOC's 20 object classes, in the devkit's order (label i = ``VOC_DETECTION_CLASSES[i]``)
@@ -245,6 +244,7 @@ class VocDetection(Dataset):
         self.split = split
         self.transform = transform
         self.on_bad_image = on_bad_image
+        self.use_difficult_in_training = use_difficult_in_training
         self.class_names = list(class_names)
         self.label_of = {name: i for i, name in enumerate(self.class_names)}
         self.images = split_images(self.root, split)
@@ -262,8 +262,8 @@ class VocDetection(Dataset):
             keep = train & valid
             width, height = ann.boxes[:, 2] - ann.boxes[:, 0], ann.boxes[:, 3] - ann.boxes[:, 1]
             self.targets.append({
-                # training: clipped boxes with area, difficult ones left out unless asked for
-                "boxes": boxes[keep].astype(np.float32), "labels": ann.labels[keep],
+                # training: clipped boxes with area, difficult ones left out unless asked for (and flagged)
+                "boxes": boxes[keep].astype(np.float32), "labels": ann.labels[keep], "difficult": ann.difficult[keep],
                 # evaluation: every object as the file has it
                 "gt_boxes": ann.boxes, "gt_labels": ann.labels, "gt_iscrowd": np.zeros(len(ann.labels), np.int64),
                 "gt_area": (width * height).astype(np.float32), "gt_difficult": ann.difficult,
@@ -283,31 +283,29 @@ class VocDetection(Dataset):
     def image_path(self, image_id: int) -> Path:
         return self.images[image_id].image
 
+    def annotation(self, index: int) -> dict:
+        """Sample ``index`` without its pixels: ``image_id`` (= ``index``), the XML's ``width`` and
+        ``height`` (0 when it does not say), the training objects with their ``difficult`` flags and the
+        ground truth (:func:`datamodules.detection_common.detection_item`)."""
+        ann = self.annotations[index]
+        return {"index": index, "image_id": index, "width": ann.width or 0, "height": ann.height or 0,
+                **self.targets[index]}
+
     def __getitem__(self, index: int):
-        entry, ann, gt = self.images[index], self.annotations[index], self.targets[index]
+        entry = self.images[index]
         pixels = guarded(lambda: read_rgb(entry.image), entry.image, self.on_bad_image)
         if pixels is None:
             return None
-        height, width = (int(s) for s in pixels.shape[-2:])
-        if ann.width and ann.height and (height, width) != (ann.height, ann.width):
-            raise ValueError(f"image file {entry.image} is {width}x{height} (width x height) but {entry.annotation} "
-                             f"says {ann.width}x{ann.height}")
-        boxes = torch.from_numpy(gt["boxes"]).clamp(min=torch.zeros(4), max=torch.tensor(
-            [width, height, width, height], dtype=torch.float32))
-        keep = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
-        target = {
-            "boxes": tv_tensors.BoundingBoxes(boxes[keep], format="XYXY", canvas_size=(height, width)),
-            "labels": torch.from_numpy(gt["labels"])[keep],
-        }
-        image, target = self.transform(tv_tensors.Image(pixels), target)
-        target.update({
-            "image_id": index,
-            "path": str(entry.image),
-            "orig_size": (height, width),
-            **{key: torch.from_numpy(gt[key]) for key in ("gt_boxes", "gt_labels", "gt_iscrowd", "gt_area",
-                                                          "gt_difficult")},
-        })
-        return image, target
+        sample = {**self.annotation(index), "path": str(entry.image)}
+        check_image_size(pixels, sample["width"], sample["height"], str(entry.image), str(entry.annotation))
+        return detection_item(pixels, sample, self.transform, self.use_difficult_in_training)
+
+    def stored_sample(self, index: int) -> dict:
+        """What ``python -m datamodules.optimize`` stores: the JPEG's bytes as they are, its path relative
+        to the VOC folder, and :meth:`annotation`."""
+        entry = self.images[index]
+        return {**self.annotation(index), "image": entry.image.read_bytes(),
+                "path": os.path.relpath(entry.image, self.root)}
 
 
 # -- demo data in the VOC layout -----------------------------------------------------------------------------
@@ -432,6 +430,10 @@ class VocDetectionDataModule(DetectionDataModule):
             line, a leading ``background`` skipped), else VOC's 20 classes.
         use_difficult_in_training: train on ``difficult`` objects too (VOC practice, and the default,
             leaves them out; evaluation ignores them either way).
+        streaming_root: a folder or object-store URL written by ``python -m datamodules.optimize --task detect
+            --data datamodules.voc_detection.VocDetectionDataModule``; the splits are then streamed with
+            LitData and ``root`` is not read (:mod:`datamodules.streaming`). A list of splits is the
+            streamed split named by ``+`` (``trainval+../VOC2012/trainval``).
 
     The task reads ``num_classes``, ``category_ids`` (``1 .. K``: label + 1), ``category_names`` and
     ``evaluation_metric`` (``"voc"``: :class:`tasks.voc_map.VocMeanAveragePrecision`).
@@ -439,6 +441,7 @@ class VocDetectionDataModule(DetectionDataModule):
 
     #: the metric the detection task scores this data with
     evaluation_metric = "voc"
+    streaming_layout = "voc-detection"
 
     def __init__(self, root: str | None = None, train_split: str | list[str] = "trainval",
                  val_split: str | list[str] = "test", test_split: str | list[str] | None = None,
@@ -447,7 +450,8 @@ class VocDetectionDataModule(DetectionDataModule):
                  mean: tuple[float, float, float] = IMAGENET_MEAN, std: tuple[float, float, float] = IMAGENET_STD,
                  batch_size: int = 32, eval_batch_size: int | None = None, num_workers: int = 4,
                  pin_memory: bool = True, persistent_workers: bool = True, on_bad_image: OnBadImage = "fail",
-                 class_names: list[str] | None = None, use_difficult_in_training: bool = False):
+                 class_names: list[str] | None = None, use_difficult_in_training: bool = False,
+                 streaming_root: str | None = None):
         super().__init__()
         check_on_bad_image(on_bad_image)
         if class_names is not None:
@@ -469,7 +473,9 @@ class VocDetectionDataModule(DetectionDataModule):
     @property
     def class_names(self) -> list[str]:
         if self._class_names is None:
-            if self.hparams.class_names is not None:
+            if self.streamed is not None:
+                self._class_names = list(self.streamed.data["class_names"])
+            elif self.hparams.class_names is not None:
                 self._class_names = list(self.hparams.class_names)
             elif (self.root / "class_names.txt").is_file():
                 listed = self.root / "class_names.txt"
@@ -498,13 +504,29 @@ class VocDetectionDataModule(DetectionDataModule):
     # -- datasets and loaders --------------------------------------------------------------------------
     def split(self, name: Split, train: bool = False) -> VocDetection:
         h = self.hparams
-        transform = (ssd_train_transform(h.image_size, h.mean, h.std, h.zoom_out_max, h.iou_crop, h.hflip) if train
-                     else eval_transform(h.image_size, h.mean, h.std))
-        dataset = VocDetection(self.root, name, transform, self.class_names, on_bad_image=h.on_bad_image,
+        if self.streamed is not None:
+            return self.streamed_split(name, train, use_difficult=h.use_difficult_in_training)
+        dataset = VocDetection(self.root, name, self.transform(train), self.class_names, on_bad_image=h.on_bad_image,
                                use_difficult_in_training=h.use_difficult_in_training)
         difficult = sum(int(t["gt_difficult"].sum()) for t in dataset.targets)
         rank_zero_info(f"{name}: {len(dataset)} images, {dataset.num_objects} objects ({difficult} difficult)")
         return dataset
+
+    # -- what python -m datamodules.optimize writes -----------------------------------------------------
+    def streaming_sources(self, splits: Sequence[str] | None = None) -> dict[str, VocDetection]:
+        """The splits to convert (default: train, val and test splits; ``a+b`` converts a list of splits
+        into one streamed split)."""
+        from datamodules.streaming import split_key
+
+        h = self.hparams
+        names = splits or list(dict.fromkeys(split_key(s) for s in (h.train_split, h.val_split, self.test_split)))
+        # difficult objects are stored with their flag: use_difficult_in_training chooses when streaming
+        return {name: VocDetection(self.root, name.split("+") if "+" in name else name, None, self.class_names,
+                                   use_difficult_in_training=True) for name in names}
+
+    def streaming_info(self) -> dict:
+        """What the model learns from the data, stored with the optimized dataset."""
+        return {"class_names": self.class_names}
 
     def test_images(self) -> list[Path]:
         return [entry.image for entry in split_images(self.root, self.test_split, need_annotations=False)]

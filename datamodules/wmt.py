@@ -29,6 +29,7 @@ from ``predict_path`` alone: the model tokenizes them with the tokenizer in its 
 """
 from __future__ import annotations
 
+import base64
 import logging
 import sys
 from pathlib import Path
@@ -120,6 +121,19 @@ class ParallelText(Dataset):
     def num_tokens(self) -> np.ndarray:
         """Padded positions a sentence costs in a batch: the longer of its two sides."""
         return np.maximum(self.src_lengths, self.tgt_lengths)
+
+
+class TextPairs:
+    """The lines of one split, as ``python -m datamodules.optimize`` stores them (one sample a line)."""
+
+    def __init__(self, src: list[str], tgt: list[str]):
+        self.src, self.tgt = src, tgt
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def stored_sample(self, index: int) -> dict:
+        return {"index": index, "src": self.src[index], "tgt": self.tgt[index]}
 
 
 def collate(items) -> dict:
@@ -264,7 +278,14 @@ class TranslationDataModule(LightningDataModule):
             ``root`` or loads/trains a tokenizer, so predict needs no dataset;
             ``vocab_size`` and ``vocabulary_fingerprint`` are then ``None``.
         predict_batch_size: sentences per ``predict`` batch (kept in file order).
+        streaming_root: a folder or object-store URL written by ``python -m datamodules.optimize --task
+            translate``; the splits' sentence pairs and the sentencepiece model are then read from it with
+            LitData (every rank reads a whole split into memory, as from files, and batches it by tokens as
+            above) and ``root`` is not read. ``vocab_size`` and the tokenizer settings are the optimized
+            dataset's (:mod:`datamodules.streaming`).
     """
+
+    streaming_task, streaming_layout = "translate", "translation"
 
     def __init__(
         self,
@@ -284,6 +305,7 @@ class TranslationDataModule(LightningDataModule):
         test_split: str = "test",
         predict_path: str | None = None,
         predict_batch_size: int = 32,
+        streaming_root: str | None = None,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -302,6 +324,27 @@ class TranslationDataModule(LightningDataModule):
         self._tokenizer: Tokenizer | None = None
         self._predict_lines: list[str] | None = None  # standard input can be read only once
         self.datasets: dict[str, ParallelText] = {}
+        self._streamed = None
+
+    @property
+    def streamed(self):
+        """The optimized dataset at ``streaming_root`` (:class:`datamodules.streaming.OptimizedDataset`),
+        or ``None``."""
+        if self.hparams.streaming_root is None or self.predict_path is not None:
+            return None
+        if self._streamed is None:
+            from datamodules.streaming import OptimizedDataset
+
+            streamed = OptimizedDataset(self.hparams.streaming_root, self.streaming_layout)
+            wanted = {**self._vocabulary_settings(), "src_lang": self.src_lang, "tgt_lang": self.tgt_lang}
+            stored = {key: streamed.data[key] for key in wanted}
+            if stored != wanted:
+                differ = ", ".join(f"{key}={stored[key]!r} (data.{key}={wanted[key]!r})"
+                                   for key in wanted if stored[key] != wanted[key])
+                raise ValueError(f"data.streaming_root={streamed.root} was optimized with {differ}: convert it with "
+                                 "the training's --data flags (or its --config recipe)")
+            self._streamed = streamed
+        return self._streamed
 
     # -- what the model needs to know, answered right after construction -----------------------
     @property
@@ -330,6 +373,8 @@ class TranslationDataModule(LightningDataModule):
         if self.predict_path is not None:
             raise RuntimeError("a predict-only datamodule (predict_path given) has no tokenizer: "
                                "predict tokenizes with the tokenizer stored in the checkpoint")
+        if self._tokenizer is None and self.streamed is not None:
+            self._tokenizer = Tokenizer.from_serialized(base64.b64decode(self.streamed.data["tokenizer"]))
         if self._tokenizer is None:
             files = self._existing_files(self.splits["fit"])
             hp = self.hparams
@@ -353,13 +398,40 @@ class TranslationDataModule(LightningDataModule):
     # -- splits ----------------------------------------------------------------------------------
     def dataset(self, split: str, training: bool = False) -> ParallelText:
         if split not in self.datasets:
-            src_file, tgt_file = self._existing_files(split)
-            src, tgt = read_parallel(src_file, tgt_file)
-            if not src:  # otherwise Lightning's generic "length of DataLoader is zero"
-                raise ValueError(f"{src_file} and {tgt_file} are empty: the {split} split has no sentences")
+            if self.streamed is not None:
+                src, tgt, name = self._streamed_pairs(split)
+            else:
+                src_file, tgt_file = self._existing_files(split)
+                src, tgt = read_parallel(src_file, tgt_file)
+                if not src:  # otherwise Lightning's generic "length of DataLoader is zero"
+                    raise ValueError(f"{src_file} and {tgt_file} are empty: the {split} split has no sentences")
+                name = str(src_file.with_suffix(""))
             self.datasets[split] = ParallelText(src, tgt, self.tokenizer, self.max_positions, training=training,
-                                                name=str(src_file.with_suffix("")))
+                                                name=name)
         return self.datasets[split]
+
+    def _streamed_pairs(self, split: str) -> tuple[list[str], list[str], str]:
+        """The split's lines in file order, read whole through LitData (chunks downloaded and cached)."""
+        samples = self.streamed.split(split, make_item=None).stored_samples()
+        samples.sort(key=lambda sample: int(sample["index"]))
+        return [s["src"] for s in samples], [s["tgt"] for s in samples], self.streamed.url(split)
+
+    # -- what python -m datamodules.optimize writes -----------------------------------------------------
+    def streaming_sources(self, splits: Sequence[str] | None = None) -> dict[str, "TextPairs"]:
+        """The splits to convert (default: train, valid and test), each with ``stored_sample``."""
+        names = splits or [name for name in self.splits.values() if all(f.is_file() for f in self.files(name))]
+        return {name: TextPairs(*read_parallel(*self._existing_files(name))) for name in names}
+
+    def streaming_info(self) -> dict:
+        """The language pair, the sentencepiece model trained on the training split (base64) and the
+        settings it was trained with."""
+        return {"src_lang": self.src_lang, "tgt_lang": self.tgt_lang, **self._vocabulary_settings(),
+                "tokenizer": base64.b64encode(self.tokenizer.serialized()).decode("ascii")}
+
+    def _vocabulary_settings(self) -> dict:
+        hp = self.hparams
+        return {"vocab_size": hp.vocab_size, "spm_model_type": hp.spm_model_type,
+                "character_coverage": hp.character_coverage}
 
     def setup(self, stage: str) -> None:
         if self.trainer is not None and self.trainer.world_size > 1 and \

@@ -1,0 +1,297 @@
+"""Datasets optimized once into LitData chunks, then streamed from a folder or an object store.
+
+``python -m datamodules.optimize`` (:mod:`datamodules.optimize`) writes one LitData dataset per
+split, ``OUT/<split>/`` (``index.json`` + ``chunk-*.bin``), and a manifest ``OUT/streaming.json``:
+the task and layout the data came from, each split's folder and sample count, and what the
+model learns from the data (class names, COCO categories, the sentencepiece model). A sample
+stores its encoded files as they are (JPEG/PNG bytes, never re-encoded) next to its annotations
+and its ``index`` in the folder-read split.
+
+A datamodule given ``streaming_root=OUT`` reads a split through :class:`StreamedSplit`, LitData's
+``StreamingDataset``: LitData downloads, caches (``LITDATA_CACHE_DIR``, ``MAX_CACHE_SIZE``) and
+reads the chunks, and shards them over DDP ranks, nodes and loader workers. An item is built from
+a stored sample by the same function the folder dataset uses after reading its files, so a
+streamed sample is the folder-read one, pixel for pixel.
+
+- Training (:class:`StreamingTrainLoader`): LitData shuffles chunks and the samples inside them
+  (``seed``, epoch) and gives every rank the same number of samples. Each sample's augmentation
+  runs under the seed the folder loaders give it, a function of (seed, epoch, index) alone
+  (:func:`datamodules.loaders.sample_seed`), whatever the order it comes in. Mid-epoch resume is
+  LitData's: the loader's state goes into Lightning's checkpoint, and LitData replays the epoch's
+  order past the samples already trained on.
+- Evaluation: no shuffling, no ``drop_last``: LitData deals every sample to exactly one rank, so
+  metrics equal the single-process ones (README, "What every task guarantees").
+
+A root that is not an optimized dataset, one written for another layout, a missing split and a
+sample that cannot be read back are errors naming the folder (and the split and sample).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from litdata import StreamingDataLoader, StreamingDataset, optimize
+from litdata.streaming.downloader import get_downloader
+from litdata.streaming.sampler import ChunkedIndex
+
+from datamodules.images import BadImageError, _read_with_pil, _to_uint8
+from datamodules.loaders import restart_position, run_seeded, sample_seed
+
+MANIFEST = "streaming.json"
+#: bumped when what a sample stores changes; older optimized folders are refused, not misread
+LAYOUT_VERSION = 1
+REMOTE_PREFIXES = ("s3://", "gs://", "r2://", "azure://", "hf://", "local:")
+
+# Lightning warns that an IterableDataset's length may be wrong with several workers; LitData's
+# length is this rank's share, worked out for its workers
+warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
+
+
+def is_remote(root: str) -> bool:
+    """``root`` is an object-store URL LitData reads (``local:/path`` reads a folder the same way)."""
+    return str(root).startswith(REMOTE_PREFIXES)
+
+
+def join(root: str, name: str) -> str:
+    return f"{str(root).rstrip('/')}/{name}" if is_remote(root) else str(Path(root).expanduser() / name)
+
+
+# -- the manifest --------------------------------------------------------------------------------------
+def write_manifest(output: str, manifest: dict) -> None:
+    """Write ``OUT/streaming.json`` (last, so a folder with a manifest is a finished conversion)."""
+    text = json.dumps(manifest, indent=1)
+    if not is_remote(output):
+        path = Path(output).expanduser() / MANIFEST
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        return
+    from litdata.streaming.fs_provider import _get_fs_provider  # LitData's own uploader (s3, gs, r2)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        local = Path(tmp, MANIFEST)
+        local.write_text(text)
+        _get_fs_provider(output).upload_file(str(local), join(output, MANIFEST))
+
+
+def read_manifest(root: str, layout: str) -> dict:
+    """The manifest of the optimized dataset at ``root``, checked to be of ``layout``.
+
+    A missing folder, a folder without ``streaming.json`` (not written by ``datamodules.optimize``),
+    a dataset of another layout or layout version raise errors naming ``root`` and what was expected."""
+    expected = f"{join(root, MANIFEST)} written by `python -m datamodules.optimize`"
+    if not is_remote(root) and not Path(root).expanduser().is_dir():
+        raise FileNotFoundError(f"data.streaming_root={root} does not exist (expected an optimized dataset: "
+                                f"{expected})")
+    not_optimized = (f"data.streaming_root={root} is not an optimized dataset: no {expected} "
+                     "(data.root reads a dataset in its standard layout)")
+    with tempfile.TemporaryDirectory() as tmp:
+        local = Path(root).expanduser() / MANIFEST
+        if is_remote(root):
+            local = Path(tmp, MANIFEST)
+            try:  # the downloader LitData reads index.json with
+                get_downloader(str(root), tmp, []).download_file(join(root, MANIFEST), str(local))
+            except Exception as err:  # each store reports a missing object its own way
+                raise FileNotFoundError(f"{not_optimized}; reading it failed with {type(err).__name__}: {err}") from err
+        try:
+            manifest = json.loads(local.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(not_optimized) from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{join(root, MANIFEST)} is not a streaming manifest (not JSON: {err})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "visionlang-suite streaming":
+        raise ValueError(f"{join(root, MANIFEST)} is not a streaming manifest of this suite")
+    if manifest.get("layout") != layout:
+        raise ValueError(f"data.streaming_root={root} holds {manifest.get('layout')!r} data optimized for task "
+                         f"{manifest.get('task')!r}; this datamodule reads {layout!r} data (convert that dataset "
+                         "with python -m datamodules.optimize and this datamodule's --task / --data)")
+    if manifest.get("version") != LAYOUT_VERSION:
+        raise ValueError(f"data.streaming_root={root} was optimized with layout version {manifest.get('version')}; "
+                         f"this suite reads version {LAYOUT_VERSION}: convert the dataset again")
+    return manifest
+
+
+class OptimizedDataset:
+    """The optimized dataset at ``root`` (its manifest read once, checked to be of ``layout``): what
+    the data defines (:attr:`data`) and its splits as :class:`StreamedSplit`."""
+
+    def __init__(self, root: str, layout: str):
+        self.root = str(root)
+        self.manifest = read_manifest(self.root, layout)
+
+    @property
+    def data(self) -> dict:
+        """What the model learns from the data (class names, categories, tokenizer), as optimize wrote it."""
+        return self.manifest["data"]
+
+    def has_split(self, name: str | Sequence[str]) -> bool:
+        return split_key(name) in self.manifest["splits"]
+
+    def url(self, name: str | Sequence[str]) -> str:
+        key = split_key(name)
+        if not self.has_split(key):
+            raise FileNotFoundError(f"data.streaming_root={self.root} has no split {key!r} (its splits: "
+                                    f"{sorted(self.manifest['splits'])}); convert it with python -m "
+                                    f"datamodules.optimize ... --splits {key}")
+        return join(self.root, self.manifest["splits"][key]["folder"])
+
+    def split(self, name: str | Sequence[str], make_item: Callable[[dict, str], Any] | None, train: bool = False,
+              seed: int = 0) -> StreamedSplit:
+        url = self.url(name)
+        return StreamedSplit(url, make_item, train=train, seed=seed,
+                             num_samples=self.manifest["splits"][split_key(name)]["samples"])
+
+
+# -- writing ---------------------------------------------------------------------------------------------
+def split_key(name: str | Sequence[str]) -> str:
+    """The manifest's name of a split: a list of splits (VOC07+12) is one split named by ``+``."""
+    return name if isinstance(name, str) else "+".join(name)
+
+
+def split_folder(name: str | Sequence[str]) -> str:
+    """The folder of a split under the optimized root (``../VOC2012/trainval`` -> ``VOC2012_trainval``)."""
+    return split_key(name).replace("../", "").replace("/", "_")
+
+
+def write_split(output: str, name: str, count: int, stored_sample: Callable[[int], dict], num_workers: int,
+                chunk_bytes: str = "64MB") -> None:
+    """Write samples ``stored_sample(0 .. count - 1)`` as the LitData dataset ``output/<folder>``, with
+    LitData's progress bar. ``stored_sample`` runs in LitData's worker processes (forked where the
+    platform allows: the samples' lists are shared, not pickled)."""
+    optimize(fn=stored_sample, inputs=list(range(count)), output_dir=join(output, split_folder(name)),
+             chunk_bytes=chunk_bytes, num_workers=max(1, num_workers), mode="overwrite", keep_data_ordered=True,
+             start_method="fork" if sys.platform == "linux" else None)
+
+
+# -- reading ---------------------------------------------------------------------------------------------
+def decode_rgb(data: bytes | memoryview, where: str) -> torch.Tensor:
+    """(3, H, W) uint8 RGB of encoded image bytes, decoded as :func:`datamodules.images.read_rgb` decodes
+    a file (torchvision, then PIL; 16-bit scaled). Failures raise :class:`BadImageError` naming ``where``."""
+    from torchvision.io import ImageReadMode, decode_image
+
+    if len(data) == 0:
+        raise BadImageError(where, "empty file (0 bytes)")
+    try:
+        return _to_uint8(decode_image(torch.from_numpy(np.frombuffer(data, np.uint8).copy()), mode=ImageReadMode.RGB))
+    except Exception:  # formats torchvision does not decode (TIFF, PPM, ...)
+        pass
+    try:
+        return _read_with_pil(io.BytesIO(data))
+    except Exception as err:
+        raise BadImageError(where, str(err) or type(err).__name__) from err
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    # LitData warns that drop_last=False under DDP could stall collectives; evaluation runs none per batch
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+class StreamedSplit(StreamingDataset):
+    """One split of an optimized dataset, read by LitData.
+
+    ``make_item(sample, where)`` turns a stored sample (a dict with its encoded files, annotations and
+    ``index``) into the item the folder dataset returns (or ``None`` for an unreadable image under
+    ``on_bad_image="skip"``); ``where`` names the sample in errors (``<split url> sample <index>``).
+
+    ``train``: LitData shuffles (``seed``, epoch) and drops the remainder so every rank gets as many
+    samples; each item is built under :func:`datamodules.loaders.sample_seed` of its ``index``.
+    Otherwise every sample is read once, in order, over all ranks together. ``num_samples``: the
+    whole split's (``len`` is this rank's share).
+    """
+
+    def __init__(self, url: str, make_item: Callable[[dict, str], Any] | None, *, train: bool, seed: int = 0,
+                 num_samples: int):
+        with _quiet("litdata.streaming.dataset"):
+            try:
+                super().__init__(url, shuffle=train, drop_last=train, seed=seed)
+            except (ValueError, FileNotFoundError) as err:
+                raise FileNotFoundError(f"{url} is not an optimized split (no LitData index.json: {err})") from None
+        self.url = url
+        self.make_item = make_item
+        self.train = train
+        self.num_samples = num_samples
+
+    def __getitem__(self, index: ChunkedIndex | int):
+        position = index.index if isinstance(index, ChunkedIndex) else index
+        try:
+            sample = super().__getitem__(index)
+        except Exception as err:  # a chunk that does not deserialize: name where, not LitData's internals
+            raise RuntimeError(f"{self.url}: sample at position {position} cannot be read from its chunk "
+                               f"({type(err).__name__}: {err})") from err
+        where = f"{self.url} sample {sample['index']}" + (f" ({sample['path']})" if "path" in sample else "")
+        if not self.train:
+            return self.make_item(sample, where)
+        # LitData's epoch 1 is the trainer's epoch 0 (see StreamingTrainLoader)
+        seed = sample_seed(self.seed, self.current_epoch - 1, int(sample["index"]))
+        return run_seeded(lambda: self.make_item(sample, where), seed)
+
+    def stored_samples(self) -> list[dict]:
+        """Every stored sample of the split as stored, in storage order, on every rank (small splits: text)."""
+        first = StreamingDataset.__getitem__(self, 0)  # opens the split's index
+        self.on_demand_bytes = False  # then whole chunks are downloaded into the cache, not sample by sample
+        return [first] + [StreamingDataset.__getitem__(self, i) for i in range(1, self.num_samples)]
+
+
+class StreamingTrainLoader(StreamingDataLoader):
+    """LitData's loader for training, its epoch kept equal to the trainer's.
+
+    LitData counts epochs from 1: its epoch ``e + 1`` is the trainer's ``e``, which sets the shuffle and
+    the samples' seeds, also when a loader is built anew (``reload_dataloaders_every_n_epochs``). Its
+    ``state_dict`` (LitData's position: samples handed out this epoch, per worker) goes into
+    Lightning's checkpoint; on a restart within an epoch Lightning loads it and LitData replays the
+    epoch's order past those samples. Lightning fetches no batch ahead of the one it trains from a
+    loader with a length, so the position is that of the batches trained.
+    """
+
+    def __init__(self, dataset: StreamedSplit, *, trainer=None, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.trainer = trainer
+
+    def __iter__(self):
+        if not (self.restore and restart_position(self.trainer) is not None):
+            # not resuming: forget a position loaded earlier (an epoch cut short, e.g. by
+            # limit_train_batches, leaves LitData's restore flag set) and start the trainer's epoch
+            self.restore = False
+            if self.trainer is not None:
+                self.current_epoch = self.trainer.current_epoch
+        yield from super().__iter__()
+
+
+def streaming_loader(dataset: StreamedSplit, *, batch_size: int, num_workers: int, train: bool,
+                     pin_memory: bool = True, persistent_workers: bool = True, prefetch_factor: int | None = None,
+                     collate_fn: Callable | None = None, trainer=None, seed: int = 0) -> StreamingDataLoader:
+    """The streamed counterpart of :func:`datamodules.loaders.make_loader` (same arguments)."""
+    if train and dataset.distributed_env.world_size == 1:
+        # a split smaller than one batch trains on its partial batch, as the folder loaders do (under DDP
+        # LitData drops the remainder: every rank must run as many steps)
+        dataset.set_drop_last(dataset.num_samples > batch_size)
+    extra = {}
+    if num_workers > 0:
+        # training workers are started per epoch: a persistent worker keeps the copy of the dataset
+        # (epoch, resume position) it was started with
+        extra["persistent_workers"] = persistent_workers and not train
+        if prefetch_factor is not None:
+            extra["prefetch_factor"] = prefetch_factor
+    loader_class = StreamingTrainLoader if train else StreamingDataLoader
+    if train:
+        extra["trainer"] = trainer
+    return loader_class(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
+                        pin_memory=pin_memory and torch.cuda.is_available(),
+                        generator=torch.Generator().manual_seed(seed), **extra)
