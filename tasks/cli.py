@@ -1,4 +1,4 @@
-"""The LightningCLI every task runs: ``python -m tasks.<task> {fit,validate,test,predict}``.
+"""The LightningCLI every task runs: ``python -m tasks.<task> {fit,validate,test,predict,export}``.
 
 Defaults shared by all tasks (each overridable from YAML or the command line):
 - the task's demo recipe when no ``--config`` is given;
@@ -15,6 +15,9 @@ Defaults shared by all tasks (each overridable from YAML or the command line):
 With ``--ckpt_path`` on ``validate``/``test``/``predict`` the checkpoint supplies the model:
 its saved constructor arguments (backbone and head, class names, category ids, vocabulary)
 rebuild it, and only ``--model.*`` arguments given on the command line override them.
+
+``export --ckpt_path X`` writes the checkpoint's model as ONNX (see :mod:`tasks.export`); it
+needs no Trainer, so it is answered before LightningCLI parses anything.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from tasks.base import qualified_name
 from tasks.progress import LineProgress, stdout_is_terminal
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+EXPORT = "export"
 EVALUATION = ("validate", "test", "predict")
 CONFIG_FILE_NAME = "suite_config.yaml"  # wandb keeps "config.yaml" for itself
 
@@ -122,8 +126,13 @@ class SuiteCLI(LightningCLI):
         self.task = task
         self.monitor = monitor
         self.mode = mode
-        default = recipe_path(task, default_config)
-        argv = with_default_config(list(sys.argv[1:] if args is None else args), default)
+        argv = list(sys.argv[1:] if args is None else args)
+        if argv and argv[0] == EXPORT:
+            from tasks.export import run_export
+
+            run_export(argv[1:], model_class, prog=f"python -m tasks.{task} export")
+            return
+        argv = with_default_config(argv, recipe_path(task, default_config))
         self.checkpoint = read_checkpoint_for(argv, model_class)
         # --print_config prints while parsing, before the checkpoint's arguments are merged: with a
         # checkpoint, print once they are (see _parse_ckpt_path), so it shows the model that will run
@@ -150,6 +159,16 @@ class SuiteCLI(LightningCLI):
             args=args,
             run=run,
         )
+
+    def _add_subcommands(self, parser, **kwargs) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        # listed so that `--help` shows it; SuiteCLI.__init__ runs it before any parsing
+        from tasks.export import export_parser
+
+        prog = f"python -m tasks.{self.task} export"
+        parser._subcommands_action.add_subcommand(
+            EXPORT, export_parser(qualified_name(self.model_class), prog),
+            help="Export the checkpoint's model to ONNX and check it against PyTorch with ONNX Runtime")
 
     def add_arguments_to_parser(self, parser) -> None:
         # trainer defaults as plain config, so --print_config shows them and recipes override them
@@ -356,6 +375,9 @@ def read_checkpoint_for(argv: list[str], model_class: type) -> dict | None:
     if path in ("last", "best", "hpc", "registry"):
         return None
     checkpoint = check_checkpoint_file(path, model_class)
+    if subcommand == "fit" and "averaged_from" in checkpoint:
+        raise ValueError(f"{path} is an average of checkpoints ({checkpoint['averaged_from']}): it has no optimizer "
+                         "state to resume fit from; evaluate it with validate/test/predict, or export it")
     # a checkpoint without saved arguments (written before they were) is loaded into the recipe's model
     return checkpoint if subcommand in EVALUATION and checkpoint.get("hyper_parameters") else None
 
@@ -421,7 +443,11 @@ def recipe_layers(value: str, default: Path | None, seen: tuple[Path, ...] = ())
     """The ``--config`` values a recipe expands to: its base chain, then itself (see :func:`with_default_config`).
     ``default`` is put under a recipe that names no base (``None``: stack on nothing)."""
     path = Path(value)
-    if not path.is_file() or path.suffix not in (".yaml", ".yml"):
+    try:
+        is_recipe = path.suffix in (".yaml", ".yml") and path.is_file()
+    except OSError:  # an expanded base chain handed to a DDP child: a YAML string too long for a file name
+        is_recipe = False
+    if not is_recipe:
         return [value]  # a YAML string or something LightningCLI reports itself
     try:
         content = yaml.safe_load(path.read_text())
