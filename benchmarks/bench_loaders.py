@@ -1,4 +1,4 @@
-"""Training data-loader throughput of each task's paper recipe, per number of workers (issue 7).
+"""Training data-loader throughput of each task's paper recipe, before and after issue 16, per worker.
 
 For each recipe's ``data:`` section (augmentation and per-device batch size as configured)
 the task's own datamodule is built, ``setup("fit")`` run and batches drawn from
@@ -6,6 +6,19 @@ the task's own datamodule is built, ``setup("fit")`` run and batches drawn from
 collation (and MixUp/CutMix for classification) inside the workers, persistent workers.
 Reading the rate of 1 worker (or of 0: all in the main process) gives the number of workers
 a GPU needs: workers = GPU images/s / images/s per worker (on enough free cores).
+
+Before and after. ``before`` builds the pipelines as they were before issue 16 (defined below:
+torchvision's SSD chain on the full-size photo, torchvision's RandAugment kernels and MixUp /
+CutMix, OpenCV's default thread pool in each worker); ``after`` the current ones
+(:mod:`datamodules.detection_transforms`, :mod:`datamodules.classification_transforms`, one
+OpenCV thread per worker, set in the main process before the workers fork). The variant is
+chosen by pointing the datamodule modules' builder names at it for the measurement. Both
+variants are measured in one process, alternately (``--repeats`` rounds), and the best of each
+is reported with their ratio, so a busy machine slows both alike.
+
+Reading. ``folder``: the image files in the dataset's layout. ``streamed``: the same copy
+converted once by ``python -m datamodules.optimize`` into LitData chunks, trained from with
+``streaming_root``.
 
 Data. The embedded demo sets are tiny images (8x8 digits upsampled to 32 px, 128-192 px
 scenes), far cheaper to decode and resize than the benchmarks' photos. So each demo set is
@@ -20,25 +33,32 @@ sentences of WMT14 length (~24 words). Copies live in the demo cache
 they are (ADE20k: the VOC-layout demo converted to the ADE20k layout, not resized).
 
 Timing. ``torch.set_num_threads(1)`` in the main process too, so 0 workers is one
-single-threaded loading process, like each DataLoader worker. The first ``max(1, workers)``
-batches are skipped (worker start-up; all workers deliver their first batch at about the
-same moment), then at least ``--images`` images, in whole batches and a multiple of the
-workers, are timed from the last skipped batch on. Epochs roll over as in training.
-Numbers depend on what else runs on the machine: with more workers than free cores the
-per-worker rate drops.
+single-threaded loading process, like each DataLoader worker (OpenCV aside: before, its pool
+uses every core even with 0 workers). The first ``max(1, workers)`` batches are skipped (worker
+start-up; all workers deliver their first batch at about the same moment), then at least
+``--images`` images, in whole batches and a multiple of the workers, are timed from the last
+skipped batch on. Epochs roll over as in training. Rates depend on what else runs on the
+machine: with more workers than free cores the per-worker rate drops. The CPU time that the main
+process and its workers spend in the timed window, per image ("CPU ms per image"), depends much
+less on it: it is what a loader core has to give per image, so 1000 / it is the images/s of one
+dedicated core, and GPU images/s x it / 1000 the cores a GPU needs.
 
     nice python benchmarks/bench_loaders.py                                  # all four, 0 1 2 workers
-    nice python benchmarks/bench_loaders.py --pipelines ade20k voc --workers 0 4 8
-    python benchmarks/bench_loaders.py --native --images 16 --batch-size 4 --workers 0 1
+    nice python benchmarks/bench_loaders.py --pipelines coco imagenet ade20k --reading folder streamed
+    nice python benchmarks/bench_loaders.py --pipelines ade20k voc --workers 0 4 8 --variants after
+    python benchmarks/bench_loaders.py --native --images 16 --batch-size 4 --workers 0 1 --repeats 1
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import importlib
 import json
 import logging
 import math
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -50,15 +70,18 @@ import numpy as np
 import torch
 import yaml
 from PIL import Image
+from torchvision import tv_tensors
+from torchvision.transforms import v2
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from datamodules import classification_transforms, detection_transforms  # noqa: E402
 from datamodules.coco import CocoDataModule  # noqa: E402
 from datamodules.demo import demo_root  # noqa: E402
 from datamodules.demo_text import demo_translation_root  # noqa: E402
 from datamodules.imagefolder import ImageFolderDataModule  # noqa: E402
-from datamodules.images import IMAGE_EXTENSIONS  # noqa: E402
+from datamodules.images import IMAGE_EXTENSIONS, collate_skipping  # noqa: E402
 from datamodules.segmentation import (IGNORE_INDEX, SegmentationDataModule, read_mask,  # noqa: E402
                                       read_split_list)
 from datamodules.tokenizer import PAD_ID  # noqa: E402
@@ -242,12 +265,124 @@ def describe_data(pipeline: Pipeline, root: Path, recipe: dict) -> str:
     return f"{width}x{height}, {np.mean([p.stat().st_size for p in files]) / 1024:.0f} KB"
 
 
+# -- before and after issue 16 -------------------------------------------------------------------------------
+class IoUCropWhenBoxes(v2.RandomIoUCrop):
+    """``RandomIoUCrop`` that passes images without boxes through (the former pipeline's)."""
+
+    def forward(self, *inputs):
+        sample = inputs if len(inputs) > 1 else inputs[0]
+        if len(sample[1]["boxes"]) == 0:
+            return sample
+        return super().forward(*inputs)
+
+
+def former_ssd_train_transform(image_size, mean, std, zoom_out_max=4.0, iou_crop=True, hflip=0.5) -> v2.Compose:
+    """The SSD augmentation as the suite ran it before issue 16: torchvision's chain on the full-size photo."""
+    fill = {tv_tensors.Image: [round(255 * m) for m in mean], "others": 0}
+    steps = [v2.RandomPhotometricDistort(p=0.5)]
+    if zoom_out_max > 1:
+        steps.append(v2.RandomZoomOut(fill=fill, side_range=(1.0, zoom_out_max), p=0.5))
+    if iou_crop:
+        steps.append(IoUCropWhenBoxes())
+    if hflip > 0:
+        steps.append(v2.RandomHorizontalFlip(hflip))
+    steps += [v2.Resize((image_size, image_size), antialias=True), v2.ClampBoundingBoxes(),
+              v2.SanitizeBoundingBoxes(min_size=1.0), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
+    return v2.Compose(steps)
+
+
+def former_classification_train_transform(image_size, scale, hflip, rand_augment, rand_augment_magnitude,
+                                          random_erasing, mean, std, interpolation) -> v2.Compose:
+    """The ImageNet augmentation before issue 16: torchvision's RandAugment kernels."""
+    steps = [v2.RandomResizedCrop(image_size, scale=scale, interpolation=v2.InterpolationMode(interpolation),
+                                  antialias=True)]
+    if hflip > 0:
+        steps.append(v2.RandomHorizontalFlip(hflip))
+    if rand_augment:
+        steps.append(v2.RandAugment(magnitude=rand_augment_magnitude, interpolation=v2.InterpolationMode.BILINEAR))
+    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
+    if random_erasing > 0:
+        steps.append(v2.RandomErasing(p=random_erasing, value=0))
+    return v2.Compose(steps)
+
+
+class FormerMixCollate:
+    """MixUp / CutMix before issue 16: torchvision's, on new batch-sized tensors."""
+
+    def __init__(self, num_classes: int, mixup_alpha: float, cutmix_alpha: float):
+        choices = [v2.MixUp(alpha=mixup_alpha, num_classes=num_classes)] if mixup_alpha > 0 else []
+        choices += [v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes)] if cutmix_alpha > 0 else []
+        self.mix = v2.RandomChoice(choices)
+
+    def __call__(self, batch: list) -> dict:
+        out = collate_skipping(batch)
+        if "image" in out:
+            out["image"], out["target"] = self.mix(out["image"], out["target"])
+        return out
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a datamodule builds its training pipeline from, and OpenCV's threads in each worker."""
+    builders: dict[str, dict[str, object]]  # module -> {name: builder} set in that module for the measurement
+    opencv_threads: int | None              # None: OpenCV's default (one per core) in every loading process
+
+
+VARIANTS = {
+    "before": Variant({"datamodules.detection_common": {"ssd_train_transform": former_ssd_train_transform},
+                       "datamodules.imagefolder": {"train_transform": former_classification_train_transform,
+                                                   "MixCollate": FormerMixCollate}}, opencv_threads=None),
+    "after": Variant({"datamodules.detection_common": {"ssd_train_transform": detection_transforms.ssd_train_transform},
+                      "datamodules.imagefolder": {"train_transform": classification_transforms.train_transform,
+                                                  "MixCollate": classification_transforms.MixCollate}},
+                     opencv_threads=1),
+}
+
+
+@contextlib.contextmanager
+def variant_in_use(variant: Variant, default_opencv_threads: int):
+    """Point the datamodules' builder names at ``variant``'s and set OpenCV's threads in this process,
+    which forked workers inherit (``cv2.setNumThreads`` in a forked worker can deadlock); restore after."""
+    saved = []
+    for module_name, names in variant.builders.items():
+        module = importlib.import_module(module_name)
+        for name, builder in names.items():
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, builder)
+    cv2.setNumThreads(variant.opencv_threads or default_opencv_threads)
+    try:
+        yield
+    finally:
+        for module, name, builder in saved:
+            setattr(module, name, builder)
+        cv2.setNumThreads(default_opencv_threads)
+
+
+# -- streamed reading ----------------------------------------------------------------------------------------
+OPTIMIZE_TASKS = {CocoDataModule: "detect", ImageFolderDataModule: "classify", SegmentationDataModule: "segment",
+                  TranslationDataModule: "translate"}
+
+
+def streamed_root(name: str, pipeline: Pipeline, root: Path, recipe: dict) -> str:
+    """LitData chunks of the measured copy (``python -m datamodules.optimize``), written once next to it."""
+    output = root.with_name(root.name + "-streamed")
+    if not (output / "streaming.json").is_file():
+        arguments = [f"--data.{key}={json.dumps(value)}" for key, value in recipe.items()]  # JSON is YAML
+        subprocess.run([sys.executable, "-m", "datamodules.optimize", "--task", OPTIMIZE_TASKS[pipeline.datamodule],
+                        "--root", str(root), "--output", str(output), "--num-workers", "1", *arguments],
+                       check=True, cwd=REPO, stdout=sys.stderr)  # stdout keeps only the tables
+    return str(output)
+
+
 # -- measuring -----------------------------------------------------------------------------------------------
 def endless(loader):
-    """Batches of ``loader`` over epoch after epoch (setting the sampler's epoch, as Lightning does)."""
+    """Batches of ``loader`` over epoch after epoch (setting the sampler's epoch, as Lightning does;
+    LitData's loader counts its epochs itself)."""
     epoch = 0
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
     while True:
-        loader.batch_sampler.sampler.set_epoch(epoch)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
         yield from loader
         epoch += 1
 
@@ -260,9 +395,25 @@ def batch_counts(batch, text: bool) -> tuple[int, int]:
     return len(images), 0
 
 
-def measure(loader, workers: int, min_items: int, text: bool) -> tuple[int, float, float]:
+def cpu_seconds() -> float:
+    """CPU time (user + system) so far of this process and of its live children, the loader's workers
+    (Linux ``/proc``; NaN elsewhere)."""
+    me, total = os.getpid(), 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (name)": state, ppid, ...
+        except OSError:  # a process that ended meanwhile
+            continue
+        if int(stat.parent.name) == me or int(fields[1]) == me:
+            total += int(fields[11]) + int(fields[12])  # utime, stime in clock ticks
+    return total / os.sysconf("SC_CLK_TCK") if total else math.nan
+
+
+def measure(loader, workers: int, min_items: int, text: bool) -> tuple[int, float, float, float]:
     """Skip ``max(1, workers)`` batches, then time whole rounds of ``workers`` batches holding at
-    least ``min_items`` items. Returns (timed batches, items/s, target tokens/s)."""
+    least ``min_items`` items. Returns (timed batches, items/s, target tokens/s, CPU seconds per item
+    of all loading processes together: what a loader core has to give per item, however busy the
+    machine)."""
     batches = endless(loader)
     for _ in range(max(1, workers)):
         first = next(batches)
@@ -270,25 +421,47 @@ def measure(loader, workers: int, min_items: int, text: bool) -> tuple[int, floa
     rounds = max(1, math.ceil(min_items / per_batch / max(1, workers)))
     count = rounds * max(1, workers)
     items = tokens = 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu_seconds()
     for _ in range(count):
         n, t = batch_counts(next(batches), text)
         items, tokens = items + n, tokens + t
-    seconds = time.perf_counter() - start
-    return count, items / seconds, tokens / seconds
+    seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
+    return count, items / seconds, tokens / seconds, cpu / items
+
+
+def measure_variant(pipeline: Pipeline, recipe: dict, data_root: dict, workers: int, variant: Variant,
+                    default_opencv_threads: int, min_items: int) -> tuple[int, float, float, float]:
+    """One measurement: a fresh datamodule under ``variant``, its training loader as ``fit`` draws it."""
+    with variant_in_use(variant, default_opencv_threads):
+        dm = pipeline.datamodule(**data_root, num_workers=workers, **recipe)
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        result = measure(loader, workers, min_items, pipeline.text)
+        del loader, dm
+        gc.collect()  # stops the persistent workers now, before they prefetch into the next measurement
+    return result
 
 
 def run(args) -> None:
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)  # COCO's image counts per split
+    default_opencv_threads = cv2.getNumThreads()
     print(f"machine: {os.cpu_count()} CPUs ({len(os.sched_getaffinity(0))} usable), torch {torch.__version__}, "
-          f"torch threads per loading process 1, OpenCV threads {cv2.getNumThreads()} (albumentations; DataLoader "
-          f"leaves them), load average {os.getloadavg()[0]:.1f}; "
-          f"data: {'demo files as they are' if args.native else 'demo sets upscaled to benchmark image sizes'}", flush=True)
-    vision = ["| pipeline | recipe | images (first, mean file) | batch | workers | batches timed | images/s "
-              "| images/s per loading process |", "|---|---|---|---:|---:|---:|---:|---:|"]
-    text = ["| pipeline | recipe | source sentence | max tokens | workers | batches timed | sentences/s "
-            "| target tokens/s | target tokens/s per loading process |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+          f"torch threads per loading process 1, OpenCV threads per loading process {default_opencv_threads} "
+          f"(before) / 1 (after), load average {os.getloadavg()[0]:.1f}; data: "
+          f"{'demo files as they are' if args.native else 'demo sets upscaled to benchmark image sizes'}; "
+          f"best of {args.repeats} alternating runs per variant", flush=True)
+    names = args.variants
+    vision = ["| pipeline | reading | images (first, mean file) | batch | workers | "
+              + " | ".join(f"{v} images/s" for v in names) + " | "
+              + " | ".join(f"{v} per loading process" for v in names) + " | "
+              + ("after / before | " if len(names) == 2 else "")
+              + " | ".join(f"{v} CPU ms per image" for v in names) + " |",
+              "|---|---|---|---:|---:|" + "---:|" * (3 * len(names) + (len(names) == 2))]
+    text = ["| pipeline | reading | source sentence | max tokens | workers | "
+            + " | ".join(f"{v} target tokens/s" for v in names) + " | "
+            + " | ".join(f"{v} tokens/s per loading process" for v in names) + " |",
+            "|---|---|---|---:|---:|" + "---:|" * (2 * len(names))]
     for name in args.pipelines:
         pipeline = PIPELINES[name]
         recipe = recipe_data(pipeline)
@@ -298,26 +471,37 @@ def run(args) -> None:
             recipe["batch_size"] = args.batch_size
         root = dataset_root(name, pipeline, recipe, args.native)
         data = describe_data(pipeline, root, recipe)
-        for workers in args.workers:
-            dm = pipeline.datamodule(root=str(root), num_workers=workers, **recipe)
-            start = time.perf_counter()
-            dm.setup("fit")
-            setup_s = time.perf_counter() - start
-            loader = dm.train_dataloader()
-            count, rate, token_rate = measure(loader, workers, args.sentences if pipeline.text else args.images,
-                                              pipeline.text)
-            del loader, dm
-            gc.collect()  # stops the persistent workers now, before they prefetch into the next measurement
-            processes = max(1, workers)
-            recipe_name = Path(pipeline.config).name
-            if pipeline.text:
-                text.append(f"| {name} | {recipe_name} | {data} | {recipe['max_tokens']} | {workers} | {count} "
-                            f"| {rate:.0f} | {token_rate:.0f} | {token_rate / processes:.0f} |")
-            else:
-                vision.append(f"| {name} | {recipe_name} | {data} | {recipe['batch_size']} | {workers} | {count} "
-                              f"| {rate:.1f} | {rate / processes:.1f} |")
-            print(f"  {name}, {workers} workers: setup {setup_s:.1f} s, {count} batches, {rate:.1f} items/s",
-                  file=sys.stderr, flush=True)
+        for reading in args.reading:
+            data_root = ({"root": str(root)} if reading == "folder" else
+                         {"streaming_root": streamed_root(name, pipeline, root, recipe)})
+            for workers in args.workers:
+                best = {v: (0, 0.0, 0.0) for v in names}
+                cpu = {v: math.inf for v in names}
+                items = args.sentences if pipeline.text else args.images
+                for _ in range(args.repeats):  # alternate, so both variants see the same machine load
+                    for v in names:
+                        result = measure_variant(pipeline, recipe, data_root, workers, VARIANTS[v],
+                                                 default_opencv_threads, items)
+                        key = 2 if pipeline.text else 1
+                        if result[key] > best[v][key]:
+                            best[v] = result[:3]
+                        cpu[v] = min(cpu[v], result[3])
+                        print(f"  {name}, {reading}, {workers} workers, {v}: {result[0]} batches, "
+                              f"{result[1]:.1f} items/s, {1000 * result[3]:.1f} CPU ms per item, "
+                              f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+                processes = max(1, workers)
+                if pipeline.text:
+                    rates = [best[v][2] for v in names]
+                    text.append(f"| {name} | {reading} | {data} | {recipe['max_tokens']} | {workers} | "
+                                + " | ".join(f"{r:.0f}" for r in rates) + " | "
+                                + " | ".join(f"{r / processes:.0f}" for r in rates) + " |")
+                else:
+                    rates = [best[v][1] for v in names]
+                    ratio = f"{rates[1] / rates[0]:.2f}x | " if len(rates) == 2 and rates[0] else ""
+                    vision.append(f"| {name} | {reading} | {data} | {recipe['batch_size']} | {workers} | "
+                                  + " | ".join(f"{r:.1f}" for r in rates) + " | "
+                                  + " | ".join(f"{r / processes:.1f}" for r in rates) + " | " + ratio
+                                  + " | ".join(f"{1000 * cpu[v]:.1f}" for v in names) + " |")
     for table in (vision, text):
         if len(table) > 2:
             print("\n" + "\n".join(table))
@@ -327,6 +511,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pipelines", nargs="+", choices=list(PIPELINES), default=["imagenet", "coco", "ade20k", "wmt14"])
     parser.add_argument("--workers", nargs="+", type=int, default=[0, 1, 2], help="num_workers values to measure")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="before: the pipelines and OpenCV threads before issue 16; after: the current ones")
+    parser.add_argument("--reading", nargs="+", choices=["folder", "streamed"], default=["folder"],
+                        help="folder: image files as the dataset's layout holds them; streamed: LitData chunks "
+                             "written once by python -m datamodules.optimize")
+    parser.add_argument("--repeats", type=int, default=2, help="alternating runs per variant; the best is reported")
     parser.add_argument("--images", type=int, default=512,
                         help="at least this many images timed per measurement, in whole batches")
     parser.add_argument("--sentences", type=int, default=5000, help="the same for translation")

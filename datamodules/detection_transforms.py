@@ -1,0 +1,245 @@
+"""SSD training augmentation in one pass over the pixels, and the evaluation resize.
+
+:func:`ssd_train_transform` draws the SSD recipe's random parameters as torchvision's
+``RandomPhotometricDistort -> RandomZoomOut -> RandomIoUCrop -> RandomHorizontalFlip -> Resize``
+chain does (same ranges, probabilities and order, from torch's global RNG), but works out the
+geometry on the boxes first and touches the pixels once: the part of the photo that the crop keeps
+is cut out and resized straight to its place in the ``S x S`` output, the photometric distortion
+runs on that small piece in float (not on the full-size photo in uint8), and the zoom-out's fill is
+painted only where the piece does not reach. The zoom-out canvas (up to 16x the photo's pixels) is
+never built.
+
+Against the torchvision chain:
+
+- the IoU crop's trial windows are drawn all at once (same distribution, other random numbers);
+  without IoU crop a seed draws the chain's photometric factors, zoom-out and flip, one for one;
+- without zoom-out the geometry is the chain's: the crop's photo pixels resized to the output;
+- with zoom-out the photo's piece lands on whole output pixels (its edges move by at most half an
+  output pixel, boxes move with it), and its border is not blended with the fill by the resize;
+- contrast pivots on the mean grey of the kept piece instead of the whole photo (the order of
+  CVNets' SSD recipe, which distorts the crop); brightness, saturation, hue and the channel swap
+  act per pixel and commute with the resize up to rounding; no 8-bit truncation between the
+  photometric steps (torchvision truncates after each on uint8).
+
+Items: ``(image (3, H, W) uint8, {"boxes": BoundingBoxes (G, 4), "labels": (G,), ...})`` ->
+``(image (3, S, S) float normalised, {"boxes": BoundingBoxes (G', 4) xyxy in output pixels,
+"labels": (G',), ...})``, other target keys passed through; boxes whose centre falls outside the
+crop, or that keep less than 1 output pixel of width, height or area, are dropped with their labels.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torchvision import tv_tensors
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
+
+#: HSV -> RGB: channel c takes value - chroma * clamp(min(k, 4 - k), 0, 1) with k = (offset_c + hue * 6) mod 6
+_HUE_OFFSETS = torch.tensor([5.0, 3.0, 1.0]).view(3, 1, 1)
+
+
+def shift_hue(image: torch.Tensor, hue: float) -> torch.Tensor:
+    """Rotate the HSV hue of a (3, H, W) float RGB image in [0, 1] by ``hue`` turns (-0.5..0.5),
+    keeping value and saturation: ``torchvision``'s ``adjust_hue`` in a few element-wise passes
+    (no HSV image, no sorting of channels), equal to it within 1e-5."""
+    red, green, blue = image
+    value = image.amax(0)
+    chroma = value - image.amin(0)
+    is_red = red == value
+    is_green = (green == value) & ~is_red
+    is_blue = ~(is_red | is_green)
+    # hue in sixths of a turn times chroma: red at 0, green at 2, blue at 4
+    hue_chroma = (is_red * (green - blue) + is_green * (blue - red + 2 * chroma)
+                  + is_blue * (red - green + 4 * chroma))
+    sixths = _HUE_OFFSETS + (hue_chroma / chroma.clamp(min=1e-12) + 6 * hue)
+    sixths -= 6 * torch.floor(sixths / 6)
+    return value - chroma * torch.minimum(sixths, 4 - sixths).clamp_(0, 1)
+
+
+class PhotometricDistortion:
+    """torchvision's ``RandomPhotometricDistort`` for (3, H, W) float images in [0, 1]: each of
+    brightness, contrast, saturation and hue changes with probability ``p`` (factors drawn as there,
+    in the same order), contrast before or after saturation and hue, then a random channel order with
+    probability ``p``. :meth:`draw` takes the random values, :meth:`apply` uses them."""
+
+    def __init__(self, p: float = 0.5, brightness: tuple[float, float] = (0.875, 1.125),
+                 contrast: tuple[float, float] = (0.5, 1.5), saturation: tuple[float, float] = (0.5, 1.5),
+                 hue: tuple[float, float] = (-0.05, 0.05)):
+        self.p = p
+        self.ranges = {"brightness": brightness, "contrast": contrast, "saturation": saturation, "hue": hue}
+
+    def draw(self) -> dict:
+        params = {name: float(torch.empty(1).uniform_(low, high)) if torch.rand(1) < self.p else None
+                  for name, (low, high) in self.ranges.items()}
+        params["contrast_before"] = bool(torch.rand(()) < 0.5)
+        params["channels"] = torch.randperm(3) if torch.rand(1) < self.p else None
+        return params
+
+    @staticmethod
+    def apply(image: torch.Tensor, params: dict) -> torch.Tensor:
+        if params["brightness"] is not None:
+            image = F.adjust_brightness(image, params["brightness"])
+        if params["contrast"] is not None and params["contrast_before"]:
+            image = F.adjust_contrast(image, params["contrast"])
+        if params["saturation"] is not None:
+            image = F.adjust_saturation(image, params["saturation"])
+        if params["hue"] is not None:
+            image = shift_hue(image, params["hue"])
+        if params["contrast"] is not None and not params["contrast_before"]:
+            image = F.adjust_contrast(image, params["contrast"])
+        if params["channels"] is not None:
+            image = image[params["channels"]]
+        return image
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return self.apply(image, self.draw())
+
+
+def zoom_out_placement(width: int, height: int, zoom_out_max: float, p: float = 0.5) -> tuple[int, int, int, int]:
+    """``(canvas width, canvas height, left, top)``: torchvision's ``RandomZoomOut`` draws (with
+    probability ``p`` a canvas ``r`` in [1, ``zoom_out_max``] times the photo's size, the photo at a
+    random place in it); without zoom-out the canvas is the photo."""
+    if zoom_out_max <= 1 or torch.rand(1) >= p:
+        return width, height, 0, 0
+    ratio = 1.0 + torch.rand(1) * (zoom_out_max - 1.0)
+    canvas_width, canvas_height = int(width * ratio), int(height * ratio)
+    where = torch.rand(2)
+    return canvas_width, canvas_height, int((canvas_width - width) * where[0]), int((canvas_height - height) * where[1])
+
+
+def iou_crop_window(boxes: torch.Tensor, width: int, height: int, min_scale: float = 0.3, max_scale: float = 1.0,
+                    min_aspect_ratio: float = 0.5, max_aspect_ratio: float = 2.0,
+                    options: Sequence[float] = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0),
+                    trials: int = 40) -> tuple[int, int, int, int, torch.Tensor] | None:
+    """The SSD crop as torchvision's ``RandomIoUCrop`` samples it: pick a minimum IoU among
+    ``options`` (1.0: no crop, ``None`` returned), try ``trials`` windows of 0.3-1x the canvas's
+    sides, and keep the first whose aspect ratio is 0.5-2, that holds a box centre and that overlaps
+    such a box by that IoU; none: pick again. The trials of one pick are drawn at once (same
+    distribution as torchvision's one-by-one loop, other draws from the RNG), which makes the
+    search cheap when small objects make most windows fail.
+
+    ``boxes`` (G, 4) xyxy on the ``width x height`` canvas, G >= 1. Returns ``(left, top, right,
+    bottom, centre_inside (G,) bool)``."""
+    centre_x = 0.5 * (boxes[:, 0] + boxes[:, 2])
+    centre_y = 0.5 * (boxes[:, 1] + boxes[:, 3])
+    box_area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+    while True:
+        min_iou = options[int(torch.randint(low=0, high=len(options), size=(1,)))]
+        if min_iou >= 1.0:
+            return None
+        scale = min_scale + (max_scale - min_scale) * torch.rand(trials, 2)
+        sizes = (torch.tensor([width, height]) * scale).floor()
+        lefttop = ((torch.tensor([width, height]) - sizes) * torch.rand(trials, 2)).floor()
+        windows = torch.cat([lefttop, lefttop + sizes], dim=1)  # (trials, 4)
+        aspect = sizes[:, 0] / sizes[:, 1]
+        valid = (min_aspect_ratio <= aspect) & (aspect <= max_aspect_ratio) & (sizes > 0).all(1)
+        inside = ((windows[:, :1] < centre_x) & (centre_x < windows[:, 2:3])
+                  & (windows[:, 1:2] < centre_y) & (centre_y < windows[:, 3:]))  # (trials, G)
+        corner_low = torch.maximum(windows[:, None, :2], boxes[None, :, :2])
+        corner_high = torch.minimum(windows[:, None, 2:], boxes[None, :, 2:])
+        overlap = (corner_high - corner_low).clamp(min=0).prod(-1)
+        iou = overlap / (sizes.prod(1, keepdim=True) + box_area - overlap)
+        valid &= (iou.masked_fill(~inside, -1.0).amax(1) >= min_iou) & inside.any(1)
+        if valid.any():
+            first = int(valid.nonzero()[0])
+            left, top, right, bottom = (int(v) for v in windows[first])
+            return left, top, right, bottom, inside[first]
+
+
+class SSDTrainTransform:
+    """The SSD recipe (photometric distortion, zoom-out, IoU crop, flip, resize to ``image_size``
+    squared, normalise) on ``(image, target)``; see the module docstring for the contract and for
+    how it compares with torchvision's chain."""
+
+    def __init__(self, image_size: int, mean: Sequence[float], std: Sequence[float], zoom_out_max: float = 4.0,
+                 iou_crop: bool = True, hflip: float = 0.5, photometric: float = 0.5, min_size: float = 1.0):
+        self.size = image_size
+        self.mean, self.std = list(mean), list(std)
+        self.zoom_out_max, self.iou_crop, self.hflip, self.min_size = zoom_out_max, iou_crop, hflip, min_size
+        self.photometric = PhotometricDistortion(p=photometric)
+        # the zoom-out fill is the mean colour in 8 bits, as torchvision's chain pads the uint8 photo
+        fill = torch.tensor([round(255 * m) for m in mean], dtype=torch.uint8).view(3, 1, 1)
+        self.fill = self.normalise(fill)
+
+    def normalise(self, image: torch.Tensor) -> torch.Tensor:
+        """uint8 or float in [0, 1] -> float normalised, with torchvision's arithmetic (mean 0 and
+        std 1, the CVNets recipes' unnormalised input, leave it as it is)."""
+        image = F.to_dtype(image, torch.float32, scale=True)
+        if all(m == 0 for m in self.mean) and all(s == 1 for s in self.std):
+            return image
+        return F.normalize(image, self.mean, self.std)
+
+    def __call__(self, image: torch.Tensor, target: dict) -> tuple[tv_tensors.Image, dict]:
+        if image.dtype != torch.uint8 or image.ndim != 3:
+            raise TypeError(f"SSD augmentation expects a (3, H, W) uint8 image, got {tuple(image.shape)} {image.dtype}")
+        pixels = image.as_subclass(torch.Tensor)
+        height, width = pixels.shape[-2:]
+        boxes = target["boxes"]
+        if boxes.format != tv_tensors.BoundingBoxFormat.XYXY:
+            boxes = F.convert_bounding_box_format(boxes, new_format=tv_tensors.BoundingBoxFormat.XYXY)
+        # on the photo, a box's centre is too: the window, which holds a centre, then holds photo pixels
+        boxes = boxes.as_subclass(torch.Tensor).float().clamp(min=torch.zeros(4), max=torch.tensor(
+            [width, height, width, height], dtype=torch.float32))
+        labels = target["labels"]
+        colour = self.photometric.draw()
+
+        # geometry on the boxes: the canvas the photo sits in, the window of it that is kept
+        canvas_width, canvas_height, left, top = zoom_out_placement(width, height, self.zoom_out_max)
+        boxes = boxes + torch.tensor([left, top, left, top], dtype=boxes.dtype)
+        window, inside = (0, 0, canvas_width, canvas_height), None
+        if self.iou_crop and len(boxes):
+            crop = iou_crop_window(boxes, canvas_width, canvas_height)
+            if crop is not None:
+                window, inside = crop[:4], crop[4]
+        flip = self.hflip > 0 and bool(torch.rand(1) < self.hflip)
+
+        # the photo's part of the window, in photo pixels, and the output pixels it covers
+        wx0, wy0, wx1, wy1 = window
+        px0, py0 = max(wx0, left), max(wy0, top)
+        px1, py1 = min(wx1, left + width), min(wy1, top + height)
+        scale_x, scale_y = self.size / (wx1 - wx0), self.size / (wy1 - wy0)
+        ox0 = min(round((px0 - wx0) * scale_x), self.size - 1)  # a sliver of photo still gets a pixel
+        oy0 = min(round((py0 - wy0) * scale_y), self.size - 1)
+        ox1, oy1 = max(ox0 + 1, round((px1 - wx0) * scale_x)), max(oy0 + 1, round((py1 - wy0) * scale_y))
+        piece = pixels[:, py0 - top:py1 - top, px0 - left:px1 - left]
+        piece = F.resize(piece, [oy1 - oy0, ox1 - ox0], antialias=True)
+        piece = self.normalise(self.photometric.apply(F.to_dtype(piece, torch.float32, scale=True), colour))
+        if flip:
+            piece = piece.flip(-1)
+            ox0, ox1 = self.size - ox1, self.size - ox0
+        if (ox0, oy0, ox1, oy1) == (0, 0, self.size, self.size):
+            out = piece
+        else:
+            out = self.fill.expand(3, self.size, self.size).clone()
+            out[:, oy0:oy1, ox0:ox1] = piece
+
+        # boxes follow the piece's own mapping, so they sit on the pixels whatever the rounding
+        gain_x, gain_y = (ox1 - ox0) / (px1 - px0), (oy1 - oy0) / (py1 - py0)
+        if flip:
+            boxes = boxes[:, [2, 1, 0, 3]]
+            gain_x, ox0 = -gain_x, ox1
+        mapped = torch.stack([ox0 + (boxes[:, 0] - px0) * gain_x, oy0 + (boxes[:, 1] - py0) * gain_y,
+                              ox0 + (boxes[:, 2] - px0) * gain_x, oy0 + (boxes[:, 3] - py0) * gain_y], dim=1)
+        mapped = mapped.clamp_(0, self.size)
+        sides = mapped[:, 2:] - mapped[:, :2]
+        keep = (sides >= self.min_size).all(1) & (sides.prod(1) >= self.min_size)
+        if inside is not None:
+            keep &= inside
+        out_target = dict(target)
+        out_target["boxes"] = tv_tensors.BoundingBoxes(mapped[keep].to(target["boxes"].dtype), format="XYXY",
+                                                       canvas_size=(self.size, self.size))
+        out_target["labels"] = labels[keep]
+        return tv_tensors.Image(out), out_target
+
+
+def ssd_train_transform(image_size: int, mean: Sequence[float], std: Sequence[float],
+                        zoom_out_max: float = 4.0, iou_crop: bool = True, hflip: float = 0.5) -> SSDTrainTransform:
+    """The SSD recipe's augmentation (Liu et al. 2016, sec. 2.2 / torchvision's SSD preset), one pass."""
+    return SSDTrainTransform(image_size, mean, std, zoom_out_max=zoom_out_max, iou_crop=iou_crop, hflip=hflip)
+
+
+def eval_transform(image_size: int, mean: Sequence[float], std: Sequence[float]) -> v2.Compose:
+    """Resize to the square model input (SSD does not keep the aspect ratio)."""
+    return v2.Compose([v2.Resize((image_size, image_size), antialias=True), v2.ClampBoundingBoxes(),
+                       v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
