@@ -325,7 +325,7 @@ class FormerMixCollate:
 class Variant:
     """What a datamodule builds its training pipeline from, and OpenCV's threads in each worker."""
     builders: dict[str, dict[str, object]]  # module -> {name: builder} set in that module for the measurement
-    opencv_threads: int | None              # None: OpenCV's default (one per core) in every loading process
+    opencv_threads: int | None              # in each worker; None: OpenCV's default (one per core)
 
 
 VARIANTS = {
@@ -340,22 +340,19 @@ VARIANTS = {
 
 
 @contextlib.contextmanager
-def variant_in_use(variant: Variant, default_opencv_threads: int):
-    """Point the datamodules' builder names at ``variant``'s and set OpenCV's threads in this process,
-    which forked workers inherit (``cv2.setNumThreads`` in a forked worker can deadlock); restore after."""
+def builders_in_use(variant: Variant):
+    """Point the datamodules' builder names at ``variant``'s; restore them after."""
     saved = []
     for module_name, names in variant.builders.items():
         module = importlib.import_module(module_name)
         for name, builder in names.items():
             saved.append((module, name, getattr(module, name)))
             setattr(module, name, builder)
-    cv2.setNumThreads(variant.opencv_threads or default_opencv_threads)
     try:
         yield
     finally:
         for module, name, builder in saved:
             setattr(module, name, builder)
-        cv2.setNumThreads(default_opencv_threads)
 
 
 # -- streamed reading ----------------------------------------------------------------------------------------
@@ -365,7 +362,9 @@ OPTIMIZE_TASKS = {CocoDataModule: "detect", ImageFolderDataModule: "classify", S
 
 def streamed_root(name: str, pipeline: Pipeline, root: Path, recipe: dict) -> str:
     """LitData chunks of the measured copy (``python -m datamodules.optimize``), written once next to it."""
-    output = root.with_name(root.name + "-streamed")
+    from datamodules.streaming import LAYOUT_VERSION
+
+    output = root.with_name(f"{root.name}-streamed-v{LAYOUT_VERSION}")
     if not (output / "streaming.json").is_file():
         arguments = [f"--data.{key}={json.dumps(value)}" for key, value in recipe.items()]  # JSON is YAML
         subprocess.run([sys.executable, "-m", "datamodules.optimize", "--task", OPTIMIZE_TASKS[pipeline.datamodule],
@@ -432,11 +431,17 @@ def measure(loader, workers: int, min_items: int, text: bool) -> tuple[int, floa
 def measure_variant(pipeline: Pipeline, recipe: dict, data_root: dict, workers: int, variant: Variant,
                     default_opencv_threads: int, min_items: int) -> tuple[int, float, float, float]:
     """One measurement: a fresh datamodule under ``variant``, its training loader as ``fit`` draws it."""
-    with variant_in_use(variant, default_opencv_threads):
+    with builders_in_use(variant):
         dm = pipeline.datamodule(**data_root, num_workers=workers, **recipe)
         dm.setup("fit")
         loader = dm.train_dataloader()
-        result = measure(loader, workers, min_items, pipeline.text)
+        # OpenCV's threads in the workers are those of this process when they fork, at the first batch
+        # (set here, after the loader is built: that may set them too; in a forked worker it can deadlock)
+        cv2.setNumThreads(variant.opencv_threads if variant.opencv_threads and workers else default_opencv_threads)
+        try:
+            result = measure(loader, workers, min_items, pipeline.text)
+        finally:
+            cv2.setNumThreads(default_opencv_threads)
         del loader, dm
         gc.collect()  # stops the persistent workers now, before they prefetch into the next measurement
     return result

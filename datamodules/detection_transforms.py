@@ -150,7 +150,14 @@ def iou_crop_window(boxes: torch.Tensor, width: int, height: int, min_scale: flo
 class SSDTrainTransform:
     """The SSD recipe (photometric distortion, zoom-out, IoU crop, flip, resize to ``image_size``
     squared, normalise) on ``(image, target)``; see the module docstring for the contract and for
-    how it compares with torchvision's chain."""
+    how it compares with torchvision's chain.
+
+    Args:
+        zoom_out_max: largest zoom-out (canvas side / photo side, applied to half the images); 1: none.
+        iou_crop: the SSD crop. hflip: flip probability.
+        photometric: probability of each photometric change (0: no distortion).
+        min_size: boxes narrower or lower than this in output pixels (or with less area) are dropped.
+    """
 
     def __init__(self, image_size: int, mean: Sequence[float], std: Sequence[float], zoom_out_max: float = 4.0,
                  iou_crop: bool = True, hflip: float = 0.5, photometric: float = 0.5, min_size: float = 1.0):

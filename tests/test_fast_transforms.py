@@ -75,8 +75,8 @@ def test_ssd_draws_the_torchvision_chains_zoom_out_and_flip_and_keeps_its_geomet
                     zoomed_out += 1  # inside the photo, away from its edge (label 4 frames the photo)
                     x0, y0, x1, y1 = (round(v) for v in ref_boxes[4].tolist())
                     inside = (out_image - ref_image)[:, y0 + 2:y1 - 2, x0 + 2:x1 - 2].abs()
-                    # half an output pixel of the steepest gradient (channel 3: 1 + 1 grey levels per
-                    # photo pixel, 2.5 in channel 2), plus one level of rounding
+                    # the photo moves by at most half an output pixel in x and in y; its steepest
+                    # gradient is 2.5 grey levels per photo pixel; plus one level of rounding
                     photo_pixels = max(120 / (x1 - x0), 90 / (y1 - y0))
                     grey_levels = 0.5 * 2.5 * photo_pixels * 2 + 1
                     assert inside.max() <= grey_levels / 255 / min(STD), seed
