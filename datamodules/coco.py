@@ -44,7 +44,7 @@ from torch.utils.data import Dataset
 
 from datamodules.demo import demo_root
 # shared with the VOC datamodule; importable from here as before
-from datamodules.detection_common import (DetectionDataModule, ImageFiles, IoUCropWhenBoxes,  # noqa: F401
+from datamodules.detection_common import (DetectionDataModule, ImageFiles,  # noqa: F401
                                           check_image_size, check_on_bad_image, collate_detection, collate_images,
                                           detection_item, eval_transform, ssd_train_transform, stack_detection,
                                           stack_images)

@@ -1,7 +1,7 @@
 """What every detection datamodule shares, whatever its annotation format (COCO JSON, Pascal VOC XML).
 
-The SSD augmentation and the evaluation resize (``torchvision.transforms.v2`` on
-``tv_tensors.BoundingBoxes``, so boxes follow the pixels), the collate functions that make the
+The SSD augmentation and the evaluation resize (from :mod:`datamodules.detection_transforms`; boxes
+are ``tv_tensors.BoundingBoxes`` and follow the pixels), the collate functions that make the
 batches of the one detection contract, and :class:`ImageFiles`, the plain images ``predict``
 reads. :mod:`datamodules.coco` and :mod:`datamodules.voc_detection` both build on them, so
 their batches are the same thing:
@@ -25,11 +25,11 @@ from typing import Sequence
 import torch
 from torch.utils.data import Dataset
 from torchvision import tv_tensors
-from torchvision.transforms import v2
 
 from lightning.pytorch import LightningDataModule
 
 from datamodules.images import IMAGE_EXTENSIONS, OnBadImage, collate_skipping, guarded, list_images, read_rgb
+from datamodules.detection_transforms import eval_transform, ssd_train_transform
 from datamodules.loaders import SplitLoaders, make_loader
 
 
@@ -76,40 +76,6 @@ class ImageFiles(Dataset):
             return None
         info = {"path": str(path), "orig_size": tuple(int(s) for s in pixels.shape[-2:])}
         return self.transform(tv_tensors.Image(pixels)), info
-
-
-class IoUCropWhenBoxes(v2.RandomIoUCrop):
-    """``RandomIoUCrop`` needs at least one box to constrain the crop; images without objects
-    (negatives) pass through unchanged instead of failing."""
-
-    def forward(self, *inputs):
-        sample = inputs if len(inputs) > 1 else inputs[0]
-        boxes = sample[1]["boxes"] if isinstance(sample, (tuple, list)) and isinstance(sample[1], dict) else None
-        if boxes is not None and len(boxes) == 0:
-            return sample
-        return super().forward(*inputs)
-
-
-def ssd_train_transform(image_size: int, mean: Sequence[float], std: Sequence[float],
-                        zoom_out_max: float = 4.0, iou_crop: bool = True, hflip: float = 0.5) -> v2.Compose:
-    """The SSD recipe's augmentation (Liu et al. 2016, sec. 2.2 / torchvision's SSD preset)."""
-    fill = {tv_tensors.Image: [round(255 * m) for m in mean], "others": 0}
-    steps = [v2.RandomPhotometricDistort(p=0.5)]
-    if zoom_out_max > 1:
-        steps.append(v2.RandomZoomOut(fill=fill, side_range=(1.0, zoom_out_max), p=0.5))
-    if iou_crop:
-        steps.append(IoUCropWhenBoxes())
-    if hflip > 0:
-        steps.append(v2.RandomHorizontalFlip(hflip))
-    steps += [v2.Resize((image_size, image_size), antialias=True), v2.ClampBoundingBoxes(),
-              v2.SanitizeBoundingBoxes(min_size=1.0), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
-    return v2.Compose(steps)
-
-
-def eval_transform(image_size: int, mean: Sequence[float], std: Sequence[float]) -> v2.Compose:
-    """Resize to the square model input (SSD does not keep the aspect ratio)."""
-    return v2.Compose([v2.Resize((image_size, image_size), antialias=True), v2.ClampBoundingBoxes(),
-                       v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
 #: the ground truth of a detection target, in original pixels, as evaluation reads it (VOC adds ``gt_difficult``)

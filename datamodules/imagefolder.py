@@ -37,6 +37,7 @@ from datamodules.images import (
     predict_images,
     read_rgb,
 )
+from datamodules.classification_transforms import MixCollate, eval_transform, train_transform
 from datamodules.loaders import SplitLoaders, make_loader
 
 
@@ -149,52 +150,6 @@ class ImageFileDataset(Dataset):
         if image is None:
             return None
         return {"image": self.transform(image), "index": index, "path": str(path)}
-
-
-class MixCollate:
-    """Collate (dropping and counting skipped images), then apply MixUp or CutMix (one chosen
-    per batch) to images and targets. Targets become soft ``(B, num_classes)`` probabilities."""
-
-    def __init__(self, num_classes: int, mixup_alpha: float, cutmix_alpha: float):
-        choices = []
-        if mixup_alpha > 0:
-            choices.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))
-        if cutmix_alpha > 0:
-            choices.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
-        self.mix = v2.RandomChoice(choices)
-
-    def __call__(self, batch: list) -> dict:
-        out = collate_skipping(batch)
-        if "image" in out:  # an all-skipped batch is only {"skipped": n}
-            out["image"], out["target"] = self.mix(out["image"], out["target"])
-        return out
-
-
-# The pipelines take the (3, H, W) uint8 tensor read_rgb returns: torchvision v2 treats a plain
-# tensor as the image, so crops and resizes run on tensors exactly as after the former PILToTensor.
-def train_transform(image_size: int, scale: tuple[float, float], hflip: float, rand_augment: bool,
-                    rand_augment_magnitude: int, random_erasing: float, mean, std, interpolation: str) -> v2.Compose:
-    """(3, H, W) uint8 -> (3, image_size, image_size) float, normalised."""
-    interp = v2.InterpolationMode(interpolation)
-    steps = [v2.RandomResizedCrop(image_size, scale=scale, interpolation=interp, antialias=True)]
-    if hflip > 0:
-        steps.append(v2.RandomHorizontalFlip(hflip))
-    if rand_augment:
-        # its rotations and shears run on tensors, which torchvision warps only with nearest or
-        # bilinear sampling: bicubic (the recipes' crop interpolation) would fail on those ops
-        steps.append(v2.RandAugment(magnitude=rand_augment_magnitude, interpolation=v2.InterpolationMode.BILINEAR))
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
-    if random_erasing > 0:
-        steps.append(v2.RandomErasing(p=random_erasing, value=0))
-    return v2.Compose(steps)
-
-
-def eval_transform(image_size: int, resize_size: int, mean, std, interpolation: str) -> v2.Compose:
-    """(3, H, W) uint8 -> (3, image_size, image_size) float: resize the short side to
-    ``resize_size``, center-crop ``image_size``, normalise."""
-    interp = v2.InterpolationMode(interpolation)
-    return v2.Compose([v2.Resize(resize_size, interpolation=interp, antialias=True),
-                       v2.CenterCrop(image_size), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
 def build_digits_imagefolder(root: Path, size: int = 32, seed: int = 0) -> None:

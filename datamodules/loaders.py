@@ -8,6 +8,7 @@ resumed run draws exactly what the uninterrupted run drew, whatever the number o
 """
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import Callable, Iterator
 
@@ -113,6 +114,41 @@ class SeededSamples(Dataset):
         return run_seeded(lambda: self.dataset[index], seed)
 
 
+@contextlib.contextmanager
+def opencv_threads(count: int):
+    """OpenCV's thread count set to ``count`` in this process, restored on exit. Worker processes forked
+    meanwhile keep ``count``: OpenCV (albumentations' kernels) otherwise starts one thread per core in
+    every worker, so N workers on N cores oversubscribe them N times. Setting it inside a forked worker
+    (``worker_init_fn``) can deadlock on the thread pool inherited from the parent; in the parent it is
+    safe."""
+    try:
+        import cv2
+    except ImportError:  # nothing to set
+        yield
+        return
+    previous = cv2.getNumThreads()
+    cv2.setNumThreads(count)
+    try:
+        yield
+    finally:
+        cv2.setNumThreads(previous)
+
+
+class SingleThreadedWorkers:
+    """Mixin for a ``DataLoader`` class: its worker processes run OpenCV on one thread each
+    (:func:`opencv_threads` around the fork, which happens when the iterator is created)."""
+
+    def _get_iterator(self):
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        with opencv_threads(1):
+            return super()._get_iterator()
+
+
+class SuiteDataLoader(SingleThreadedWorkers, DataLoader):
+    """``torch.utils.data.DataLoader`` with one OpenCV thread per worker process."""
+
+
 def make_loader(dataset: Dataset, *, batch_size: int, num_workers: int, train: bool, pin_memory: bool = True,
                 persistent_workers: bool = True, prefetch_factor: int | None = None,
                 collate_fn: Callable | None = None, trainer=None, seed: int = 0) -> DataLoader:
@@ -139,9 +175,9 @@ def make_loader(dataset: Dataset, *, batch_size: int, num_workers: int, train: b
     else:
         sampler = eval_sampler(dataset)
     # a private generator: creating the iterator must not consume the global RNG (exact resume)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, num_workers=num_workers,
-                      pin_memory=pin_memory and torch.cuda.is_available(), collate_fn=collate_fn,
-                      generator=torch.Generator().manual_seed(seed), **extra)
+    return SuiteDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, num_workers=num_workers,
+                           pin_memory=pin_memory and torch.cuda.is_available(), collate_fn=collate_fn,
+                           generator=torch.Generator().manual_seed(seed), **extra)
 
 
 class SplitLoaders:

@@ -45,7 +45,7 @@ from litdata.streaming.downloader import get_downloader
 from litdata.streaming.sampler import ChunkedIndex
 
 from datamodules.images import BadImageError, _read_with_pil, _to_uint8
-from datamodules.loaders import restart_position, run_seeded, sample_seed
+from datamodules.loaders import SingleThreadedWorkers, restart_position, run_seeded, sample_seed
 
 MANIFEST = "streaming.json"
 #: bumped when what a sample stores changes; older optimized folders are refused, not misread
@@ -249,7 +249,11 @@ class StreamedSplit(StreamingDataset):
         return [first] + [StreamingDataset.__getitem__(self, i) for i in range(1, self.num_samples)]
 
 
-class StreamingTrainLoader(StreamingDataLoader):
+class StreamedLoader(SingleThreadedWorkers, StreamingDataLoader):
+    """LitData's loader with one OpenCV thread per worker process (evaluation)."""
+
+
+class StreamingTrainLoader(StreamedLoader):
     """LitData's loader for training, its epoch kept equal to the trainer's.
 
     LitData counts epochs from 1: its epoch ``e + 1`` is the trainer's ``e``, which sets the shuffle and
@@ -289,7 +293,7 @@ def streaming_loader(dataset: StreamedSplit, *, batch_size: int, num_workers: in
         extra["persistent_workers"] = persistent_workers and not train
         if prefetch_factor is not None:
             extra["prefetch_factor"] = prefetch_factor
-    loader_class = StreamingTrainLoader if train else StreamingDataLoader
+    loader_class = StreamingTrainLoader if train else StreamedLoader
     if train:
         extra["trainer"] = trainer
     return loader_class(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
