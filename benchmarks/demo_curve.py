@@ -13,6 +13,7 @@ import argparse
 import importlib
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,7 +62,9 @@ def main() -> None:
     task.main(fit_args)
     fit_seconds = time.perf_counter() - start
     final = root / "checkpoints" / "last.ckpt"
-    task.main(["test", *common, f"--ckpt_path={final}", *overrides])
+    # a fresh process: the fit's config names this script's callback, which only this process can import
+    subprocess.run([sys.executable, "-m", f"tasks.{args.task}", "test", *common, f"--ckpt_path={final}", *overrides],
+                   check=True)
     metrics = json.loads((root / "predictions" / "metrics.json").read_text())
     points = json.loads(curve.read_text())
     monitor = [k for k in points[0] if k not in ("epoch", "step", "seconds")][0]
