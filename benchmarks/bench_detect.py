@@ -3,7 +3,7 @@
     python benchmarks/bench_detect.py sizes          # params + FLOPs at 320 vs the papers' tables
     python benchmarks/bench_detect.py train          # training images/s at 320, ours vs torchvision SSDLite
     python benchmarks/bench_detect.py data           # data pipeline images/s, ours vs torchvision's SSD preset
-    python benchmarks/bench_detect.py eval           # COCO eval time: faster_coco_eval (our metric) vs pycocotools
+    python benchmarks/bench_detect.py eval           # COCO eval time: our metric vs pycocotools (same numbers checked)
 
 The demo mAP curve is a plain run of the default recipe with a CSV logger, see results_detect.md.
 Numbers depend on the machine and on what else runs on it: compare rows of one run only.
@@ -154,65 +154,117 @@ def bench_data(args) -> None:
         print(f"| {name} | {n / (time.perf_counter() - start):.1f} |")
 
 
-def bench_eval(args) -> None:
-    """COCO bbox evaluation of ``--images`` synthetic images (80 classes, ~7 objects, 100 detections each)."""
-    import json
-
-    from pycocotools.coco import COCO
-    from pycocotools.cocoeval import COCOeval
-
-    from tasks.detect import CocoMeanAveragePrecision
-
-    rng = np.random.default_rng(0)
+def synthetic_coco_eval_set(num_images: int, seed: int = 0):
+    """``num_images`` images of 640x480 with 0-14 objects of 80 classes each and 100 detections per
+    image (jittered copies of the objects, 30 % with a random class; images without objects get boxes
+    around the origin) -> ``(dataset, results, preds, targets)``: the COCO annotation dict and results
+    list pycocotools reads, and the same float32 numbers as the metric's per-image tensors
+    (labels = category id - 1)."""
+    rng = np.random.default_rng(seed)
     images, annotations, preds, targets, results = [], [], [], [], []
-    for image_id in range(1, args.images + 1):
+    for image_id in range(1, num_images + 1):
         images.append({"id": image_id, "width": 640, "height": 480, "file_name": f"{image_id}.jpg"})
         n = int(rng.integers(0, 15))
         xy = rng.uniform(0, 500, (n, 2))
         wh = rng.uniform(8, 200, (n, 2))
         gt_boxes = np.concatenate([xy, xy + wh], 1)
         gt_labels = rng.integers(0, 80, n)
-        for box, label in zip(gt_boxes, gt_labels):
-            annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": int(label) + 1,
-                                "bbox": [box[0], box[1], box[2] - box[0], box[3] - box[1]],
-                                "area": float((box[2] - box[0]) * (box[3] - box[1])), "iscrowd": 0})
         picks = rng.integers(0, max(n, 1), 100)
         det = (gt_boxes[picks] if n else np.zeros((100, 4))) + rng.normal(0, 10, (100, 4))
         det[:, 2:] = np.maximum(det[:, 2:], det[:, :2] + 1)
         det_labels = np.where(rng.random(100) < 0.7, gt_labels[picks] if n else 0, rng.integers(0, 80, 100))
         scores = rng.random(100)
-        preds.append({"boxes": torch.tensor(det, dtype=torch.float32), "scores": torch.tensor(scores, dtype=torch.float32),
-                      "labels": torch.tensor(det_labels)})
-        targets.append({"boxes": torch.tensor(gt_boxes, dtype=torch.float32).reshape(-1, 4),
-                        "labels": torch.tensor(gt_labels), "area": torch.tensor((wh[:, 0] * wh[:, 1]), dtype=torch.float32),
+        gt_boxes, det, scores = (torch.tensor(a, dtype=torch.float32) for a in (gt_boxes, det, scores))
+        area = torch.tensor(wh[:, 0] * wh[:, 1], dtype=torch.float32)
+        preds.append({"boxes": det, "scores": scores, "labels": torch.tensor(det_labels)})
+        targets.append({"boxes": gt_boxes.reshape(-1, 4), "labels": torch.tensor(gt_labels), "area": area,
                         "iscrowd": torch.zeros(n, dtype=torch.long)})
+        for box, label, a in zip(gt_boxes.tolist(), gt_labels.tolist(), area.tolist()):
+            annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": label + 1,
+                                "bbox": [box[0], box[1], box[2] - box[0], box[3] - box[1]], "area": a, "iscrowd": 0})
         for box, s, label in zip(det.tolist(), scores.tolist(), det_labels.tolist()):
-            results.append({"image_id": image_id, "category_id": int(label) + 1,
+            results.append({"image_id": image_id, "category_id": label + 1,
                             "bbox": [box[0], box[1], box[2] - box[0], box[3] - box[1]], "score": s})
     dataset = {"images": images, "annotations": annotations,
                "categories": [{"id": k + 1, "name": str(k)} for k in range(80)]}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "gt.json"
-        path.write_text(json.dumps(dataset))
-        start = time.perf_counter()
+    return dataset, results, preds, targets
+
+
+def bench_eval(args) -> None:
+    """COCO bbox evaluation of ``--images`` synthetic images (80 classes, ~7 objects, 100 detections
+    each): our metric (update + compute) and the torchmetrics metric it replaced (faster_coco_eval
+    backend) against pycocotools' COCOeval (load results + evaluate + accumulate + summarize), each
+    timed from a process with the previous one's objects freed, best of ``--repeats``
+    (pycocotools: of ``--reference-repeats``). Checks that all 12 stats and the per-class precision /
+    recall arrays equal pycocotools'."""
+    import gc
+    import json
+
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+    from torchmetrics.detection import MeanAveragePrecision
+
+    from tasks.coco_map import CocoMeanAveragePrecision
+
+    dataset, results, preds, targets = synthetic_coco_eval_set(args.images)
+    image_ids = [image["id"] for image in dataset["images"]]
+
+    def pycocotools(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         with contextlib.redirect_stdout(io.StringIO()):
             gt = COCO(str(path))
             evaluator = COCOeval(gt, gt.loadRes(results), "bbox")
             evaluator.evaluate()
             evaluator.accumulate()
             evaluator.summarize()
-        t_pycoco = time.perf_counter() - start
+        return evaluator.stats.copy(), evaluator.eval["precision"].copy(), evaluator.eval["recall"].copy()
 
-    metric = CocoMeanAveragePrecision()
-    start = time.perf_counter()
-    metric.update(preds, targets, list(range(1, args.images + 1)))
-    ours = metric.compute()
-    t_ours = time.perf_counter() - start
-    print(f"{args.images} images, {len(annotations)} objects, {len(results)} detections")
-    print("| evaluator | seconds | AP |")
-    print("|---|---|---|")
-    print(f"| pycocotools COCOeval | {t_pycoco:.1f} | {evaluator.stats[0]:.4f} |")
-    print(f"| ours: torchmetrics MeanAveragePrecision, faster_coco_eval backend | {t_ours:.1f} | {float(ours['map']):.4f} |")
+    def ours() -> dict:
+        metric = CocoMeanAveragePrecision(extended_summary=True)
+        metric.update(preds, targets, image_ids)
+        return metric.compute()
+
+    def torchmetrics() -> dict:  # the metric before: torchmetrics, configured as ours was
+        metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="faster_coco_eval",
+                                      iou_thresholds=np.linspace(0.5, 0.95, 10).tolist(),
+                                      rec_thresholds=np.linspace(0.0, 1.0, 101).tolist())
+        metric.update(preds, targets)
+        return metric.compute()
+
+    def best_of(repeats: int, run) -> tuple[float, object]:
+        times = []
+        for _ in range(repeats):
+            gc.collect()
+            start = time.perf_counter()
+            out = run()
+            times.append(time.perf_counter() - start)
+        return min(times), out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "gt.json"
+        path.write_text(json.dumps(dataset))
+        t_reference, (stats, precision, recall) = best_of(args.reference_repeats, lambda: pycocotools(path))
+    t_ours, values = best_of(args.repeats, ours)
+    t_torchmetrics, previous = best_of(args.repeats, torchmetrics)
+
+    from tasks.detect import MAP_KEYS
+
+    stats_diff = max(abs(float(values[k]) - stats[i]) for i, k in enumerate(MAP_KEYS))
+    # per category: ours holds the labels seen (K), pycocotools all 80 category ids (label + 1)
+    columns = values["classes"].long().numpy()
+    unseen = np.setdiff1d(np.arange(80), columns)
+    arrays_diff = max(np.abs(values["precision"].numpy() - precision[:, :, columns]).max(),
+                      np.abs(values["recall"].numpy() - recall[:, columns]).max(),
+                      np.abs(precision[:, :, unseen] + 1).max(initial=0), np.abs(recall[:, unseen] + 1).max(initial=0))
+    print(f"{args.images} images, {len(dataset['annotations'])} objects, {len(results)} detections; "
+          f"ours vs pycocotools, max |difference|: 12 stats {stats_diff:.1e}, per-class precision/recall "
+          f"arrays {arrays_diff:.1e}")
+    print("| evaluator | seconds | AP | vs pycocotools |")
+    print("|---|---|---|---|")
+    print(f"| pycocotools COCOeval | {t_reference:.2f} | {stats[0]:.4f} | 1.0x |")
+    print(f"| torchmetrics MeanAveragePrecision, faster_coco_eval backend (the metric before) | {t_torchmetrics:.2f} | "
+          f"{float(previous['map']):.4f} | {t_reference / t_torchmetrics:.1f}x |")
+    print(f"| ours: CocoMeanAveragePrecision (faster_coco_eval from flat arrays) | {t_ours:.2f} | "
+          f"{float(values['map']):.4f} | {t_reference / t_ours:.1f}x |")
 
 
 def main() -> None:
@@ -223,6 +275,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--images", type=int, default=5000)
+    parser.add_argument("--repeats", type=int, default=3, help="eval: best of this many runs of each metric")
+    parser.add_argument("--reference-repeats", type=int, default=1, help="eval: best of this many pycocotools runs")
     args = parser.parse_args()
     os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
     {"sizes": bench_sizes, "train": bench_train, "data": bench_data, "eval": bench_eval}[args.what](args)

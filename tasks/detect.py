@@ -1,8 +1,8 @@
 """Object detection: ``python -m tasks.detect {fit,validate,test,predict}``.
 
 SSDLite on any backbone, scored with the benchmark's metric: COCO mAP for COCO-layout data
-(torchmetrics ``MeanAveragePrecision`` on the faster_coco_eval backend, whose numbers are
-pycocotools' COCOeval's), VOC mAP@0.5 for Pascal VOC (``--data datamodules.voc_detection.VocDetectionDataModule``,
+(:class:`tasks.coco_map.CocoMeanAveragePrecision`: pycocotools' COCOeval numbers, computed by
+faster_coco_eval), VOC mAP@0.5 for Pascal VOC (``--data datamodules.voc_detection.VocDetectionDataModule``,
 :class:`tasks.voc_map.VocMeanAveragePrecision`). The datamodule says which (``evaluation_metric``). `test` writes
 ``predictions/detections.json`` (COCO results format: the annotation file's image and
 category ids, ``[x, y, w, h]`` boxes in original-image pixels), ``predictions/metrics.json`` and
@@ -21,98 +21,18 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
-import numpy as np
 import torch
-import torch.distributed as dist
-from torchmetrics.detection import MeanAveragePrecision
 
 from backbones import Backbone
 from heads.ssdlite import SSDLiteHead
 from tasks.analysis import displayable, write_worst_csv
 from tasks.base import TaskModule
+from tasks.coco_map import MAP_KEYS, CocoMeanAveragePrecision, coco_per_class
 
 #: builds a head from ``(backbone.feature_channels, num_classes)``; YAML: ``class_path: heads.ssdlite.SSDLiteHead``
 DetectionHeadFactory = Callable[[dict[int, int], int], SSDLiteHead]
-
-#: what `validate`/`test` log, as torchmetrics names them
-MAP_KEYS = ("map", "map_50", "map_75", "map_small", "map_medium", "map_large", "mar_1", "mar_10", "mar_100",
-            "mar_small", "mar_medium", "mar_large")
-
-
-class CocoMeanAveragePrecision(MeanAveragePrecision):
-    """Box mAP that counts every image once, however the evaluation set was split across ranks.
-
-    ``update`` also takes the image ids. Under DDP the per-image states are gathered as objects
-    (ranks may hold different numbers of images, e.g. with an unrepeated sampler) and images that a
-    padding sampler scored twice are dropped by id before computing, so the result equals the
-    single-process one.
-    """
-
-    def __init__(self, **kwargs):
-        # COCOeval's own thresholds, in float64: torchmetrics' defaults come from a float32 linspace,
-        # and a recall of exactly k/n then lands on the wrong side of e.g. 0.3 (0.30000001)
-        kwargs.setdefault("iou_thresholds", np.linspace(0.5, 0.95, 10).tolist())
-        kwargs.setdefault("rec_thresholds", np.linspace(0.0, 1.0, 101).tolist())
-        super().__init__(box_format="xyxy", iou_type="bbox", backend="faster_coco_eval", **kwargs)
-        # up to 200 detections per image come in; COCOeval scores the best 100, as it should
-        self.warn_on_many_detections = False
-        self.add_state("image_ids", default=[], dist_reduce_fx=None)
-
-    def update(self, preds: list[dict[str, torch.Tensor]], target: list[dict[str, torch.Tensor]],
-               image_ids: Sequence[int]) -> None:  # type: ignore[override]
-        if len(image_ids) != len(preds):
-            raise ValueError(f"got {len(image_ids)} image ids for {len(preds)} predictions")
-        super().update(preds, target)
-        self.image_ids.extend(torch.tensor(int(i), device=self.device) for i in image_ids)
-
-    def _sync_dist(self, dist_sync_fn=None, process_group=None) -> None:
-        group = process_group or self.process_group
-        world_size = dist.get_world_size(group)
-        for name in self._defaults:
-            gathered: list[list] = [None] * world_size  # type: ignore[list-item]
-            dist.all_gather_object(gathered, [t.cpu() for t in getattr(self, name)], group=group)
-            setattr(self, name, [t.to(self.device) for rank_items in gathered for t in rank_items])
-
-    def compute(self) -> dict:
-        ids = [int(i) for i in self.image_ids]
-        first = sorted({i: pos for pos, i in reversed(list(enumerate(ids)))}.values())
-        if len(first) < len(ids):
-            for name in self._defaults:
-                items = getattr(self, name)
-                if len(items) == len(ids):
-                    setattr(self, name, [items[k] for k in first])
-        return super().compute()
-
-
-def coco_per_class(values: dict, metric: MeanAveragePrecision) -> dict[int, dict[str, float]]:
-    """Per label ``{"ap", "ap50", "ap75", "ar100"}`` from ``metric``'s ``compute()`` with
-    ``extended_summary=True``: COCOeval's ``summarize`` restricted to one category (area "all", the
-    largest maxDets; the mean over entries > -1, else -1). Labels absent from both detections and
-    ground truth are not in the evaluation and not in the result."""
-    if "precision" not in values:  # nothing was evaluated (no image)
-        return {}
-    precision = values["precision"].double().cpu().numpy()  # (T, R, K, A, M)
-    recall = values["recall"].double().cpu().numpy()  # (T, K, A, M)
-    labels = values["classes"].reshape(-1).tolist()  # COCOeval's catIds: the sorted labels seen
-    thresholds = np.asarray(metric.iou_thresholds, dtype=np.float64)
-
-    def mean(array: np.ndarray) -> float:
-        kept = array[array > -1]
-        return float(kept.mean()) if kept.size else -1.0
-
-    def at(iou: float) -> int | None:
-        found = np.flatnonzero(np.isclose(thresholds, iou))
-        return int(found[0]) if found.size else None
-
-    i50, i75 = at(0.5), at(0.75)
-    out = {}
-    for k, label in enumerate(labels):
-        p = precision[:, :, k, 0, -1]
-        out[int(label)] = {"ap": mean(p), "ap50": mean(p[i50]) if i50 is not None else -1.0,
-                           "ap75": mean(p[i75]) if i75 is not None else -1.0, "ar100": mean(recall[:, k, 0, -1])}
-    return out
 
 
 def image_f1(det_boxes: torch.Tensor, det_labels: torch.Tensor, gt_boxes: torch.Tensor, gt_labels: torch.Tensor,
