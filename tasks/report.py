@@ -381,7 +381,8 @@ def _cell(row: Row, key: str, scale: float) -> str:
     is_cost = key in {k for k, _, _ in COSTS}
     spec = ".3g" if is_cost else ".2f"
     mean, std = row.mean(key) * scale, row.std(key)
-    if std is None or (is_cost and std == 0):
+    # the same FLOPs summed in another order differ in the last bits: not a spread worth showing
+    if std is None or (is_cost and std <= 1e-9 * abs(mean)):
         return f"{mean:{spec}}"
     return f"{mean:{spec}} ± {std * scale:{spec}}"
 
