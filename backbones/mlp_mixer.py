@@ -56,8 +56,12 @@ class MixerBlock(nn.Module):
         self.drop_path = StochasticDepth(drop_path, mode="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path(self.mlp_tokens(self.norm1(x).transpose(1, 2)).transpose(1, 2))
-        return x + self.drop_path(self.mlp_channels(self.norm2(x)))
+        if self.training:
+            x = x + self.drop_path(self.mlp_tokens(self.norm1(x).transpose(1, 2)).transpose(1, 2))
+            return x + self.drop_path(self.mlp_channels(self.norm2(x)))
+        # eval: no dropout, so the residual adds ride on the second Linears (FeedForward's residual)
+        x = self.mlp_tokens(self.norm1(x).transpose(1, 2), residual=x.transpose(1, 2)).transpose(1, 2)
+        return self.mlp_channels(self.norm2(x), residual=x)
 
 
 @register_backbone("mlp_mixer")

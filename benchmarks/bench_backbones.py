@@ -16,6 +16,18 @@ step's activations, gradients and temporaries add; on CUDA, the growth of
 ``torch.cuda.max_memory_allocated`` over the same step.
 
     nice python benchmarks/bench_backbones.py --models mobilevitv2 --batch 8 --reps 5 --memory
+
+Share of the CPU's GEMM throughput (``--gemm-share``): how close each model's inference
+comes to the machine's dense float32 matmul rate, measured in the same run with the
+same threads: ``inference img/s x FLOPs per image / GEMM FLOP/s``, FLOPs = 2 x
+multiply-adds as PyTorch's FLOP counter counts them (``tasks.analysis.count_flops``),
+the GEMM rate the best of ``--reps`` timings of a ``--gemm-size``³ matmul, one per
+repetition, interleaved with the models. 100 % would be a model made only of
+large, perfectly efficient matmuls; what is missing is time outside GEMMs (norms,
+activations, attention softmax, depthwise convs, copies) and the lower efficiency
+of smaller GEMMs. ``--inference-only`` skips the training measurement.
+
+    nice -n 19 python benchmarks/bench_backbones.py --gemm-share --inference-only --batch 8 --reps 5 --threads 2
 """
 from __future__ import annotations
 
@@ -46,6 +58,7 @@ TWINS: list[tuple[str, str, dict, str, int]] = [
     ("mobilevit-s", "mobilevit", {"size": "s"}, "mobilevit_s", 256),
     ("vit-tiny/16", "vit", {"size": "tiny", "patch_size": 16}, "vit_tiny_patch16_224", 224),
     ("vit-small/16", "vit", {"size": "small", "patch_size": 16}, "vit_small_patch16_224", 224),
+    ("vit-base/16", "vit", {"size": "base", "patch_size": 16}, "vit_base_patch16_224", 224),
     ("convmixer-768/32", "convmixer", {"dim": 768, "depth": 32, "kernel_size": 7, "patch_size": 7, "act": "relu"},
      "convmixer_768_32", 224),
     ("mixer-s/16", "mlp_mixer", {"size": "small", "patch_size": 16}, "mixer_s16_224", 224),
@@ -96,7 +109,21 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def compare(twin: tuple, batch: int, reps: int, device: torch.device, img_size: int | None) -> dict:
+def matmul_flops(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
+    """FLOP/s of one ``a @ b`` (square float32 matrices)."""
+    return 2 * a.shape[0] ** 3 / timed(lambda: a @ b, device)
+
+
+def compare(
+    twin: tuple,
+    batch: int,
+    reps: int,
+    device: torch.device,
+    img_size: int | None,
+    train: bool = True,
+    gemm_size: int = 0,
+) -> dict:
+    """Ours vs timm for one twin; with ``gemm_size`` also each one's share of the GEMM throughput."""
     size = img_size or twin[4]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, size, size, generator=gen).to(device)
@@ -105,26 +132,42 @@ def compare(twin: tuple, batch: int, reps: int, device: torch.device, img_size: 
     models = {which: build(which, twin, device, size) for which in ("ours", "timm")}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for k, m in models.items()}
     times: dict[str, dict[str, list[float]]] = {k: {"train": [], "infer": [], "latency": []} for k in models}
+    gemm_rates: list[float] = []
+    if gemm_size:
+        a, b = (torch.randn(gemm_size, gemm_size, generator=gen).to(device) for _ in range(2))
+        a @ b
     for k, m in models.items():  # warm-up: allocator, kernels, optimizer state
-        m.train()
-        train_step(m, opts[k], x, y)
+        if train:
+            m.train()
+            train_step(m, opts[k], x, y)
         m.eval()
         with torch.inference_mode():
             m(x)
             m(x1)
     for _ in range(reps):
+        if gemm_size:
+            gemm_rates.append(matmul_flops(a, b, device))
         for k, m in models.items():
-            m.train()
-            times[k]["train"].append(timed(lambda: train_step(m, opts[k], x, y), device))
+            if train:
+                m.train()
+                times[k]["train"].append(timed(lambda: train_step(m, opts[k], x, y), device))
             m.eval()
             with torch.inference_mode():
                 times[k]["infer"].append(timed(lambda: m(x), device))
                 times[k]["latency"].append(timed(lambda: m(x1), device))
     result = {"model": twin[0], "timm": twin[3], "size": size, "batch": batch}
     for k in models:
-        result[f"{k}_train_ips"] = batch / min(times[k]["train"])
+        result[f"{k}_train_ips"] = batch / min(times[k]["train"]) if train else float("nan")
         result[f"{k}_infer_ips"] = batch / min(times[k]["infer"])
         result[f"{k}_latency_ms"] = 1e3 * min(times[k]["latency"])
+    if gemm_size:
+        from tasks.analysis import count_flops
+
+        result["gemm_gflops"] = max(gemm_rates) / 1e9
+        for k, m in models.items():
+            result[f"{k}_gflop_per_image"] = count_flops(m, x1) / 1e9
+            achieved = result[f"{k}_infer_ips"] * result[f"{k}_gflop_per_image"]
+            result[f"{k}_gemm_share"] = achieved / result["gemm_gflops"]
     result["train_ratio"] = result["ours_train_ips"] / result["timm_train_ips"]
     result["infer_ratio"] = result["ours_infer_ips"] / result["timm_infer_ips"]
     result["latency_ratio"] = result["timm_latency_ms"] / result["ours_latency_ms"]
@@ -201,11 +244,28 @@ def markdown(rows: list[dict]) -> str:
     ]
     for r in rows:
         mem = f"{r['ours_mem_mb']:.0f} / {r['timm_mem_mb']:.0f}" if "ours_mem_mb" in r else "-"
+        train = (f"{r['ours_train_ips']:.1f} / {r['timm_train_ips']:.1f} ({r['train_ratio']:.2f})"
+                 if r["ours_train_ips"] == r["ours_train_ips"] else "-")  # NaN: not measured
         lines.append(
-            f"| {r['model']} ({r['timm']}) | {r['batch']}x{r['size']}² "
-            f"| {r['ours_train_ips']:.1f} / {r['timm_train_ips']:.1f} ({r['train_ratio']:.2f}) "
+            f"| {r['model']} ({r['timm']}) | {r['batch']}x{r['size']}² | {train} "
             f"| {r['ours_infer_ips']:.1f} / {r['timm_infer_ips']:.1f} ({r['infer_ratio']:.2f}) "
             f"| {r['ours_latency_ms']:.1f} / {r['timm_latency_ms']:.1f} ({r['latency_ratio']:.2f}) | {mem} |"
+        )
+    return "\n".join(lines)
+
+
+def gemm_share_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| model (timm twin) | input | GFLOP / image ours / timm | infer img/s ours / timm "
+        "| GEMM GFLOP/s (same run) | share of GEMM throughput ours / timm |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} ({r['timm']}) | {r['batch']}x{r['size']}² "
+            f"| {r['ours_gflop_per_image']:.2f} / {r['timm_gflop_per_image']:.2f} "
+            f"| {r['ours_infer_ips']:.1f} / {r['timm_infer_ips']:.1f} | {r['gemm_gflops']:.0f} "
+            f"| {100 * r['ours_gemm_share']:.0f} % / {100 * r['timm_gemm_share']:.0f} % |"
         )
     return "\n".join(lines)
 
@@ -219,6 +279,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--memory", action="store_true", help="also measure a training step's peak memory")
+    parser.add_argument("--inference-only", action="store_true", help="skip the training measurement")
+    parser.add_argument("--gemm-share", action="store_true", help="also report each model's share of the GEMM rate")
+    parser.add_argument("--gemm-size", type=int, default=2048, help="side of the square matmul that sets the GEMM rate")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table (and .json) here")
     parser.add_argument("--probe", nargs=2, metavar=("WHICH", "INDEX"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -237,17 +300,22 @@ def main() -> None:
         if twin[1] not in registered:
             print(f"skip {twin[0]}: backbone {twin[1]!r} is not registered", file=sys.stderr)
             continue
-        row = compare(twin, args.batch, args.reps, device, args.img_size)
+        row = compare(twin, args.batch, args.reps, device, args.img_size, train=not args.inference_only,
+                      gemm_size=args.gemm_size if args.gemm_share else 0)
         if args.memory:
             mem = peak_memory(index, args.batch, args.device, args.img_size)
             row["ours_mem_mb"], row["timm_mem_mb"] = mem["ours"], mem["timm"]
         rows.append(row)
         print(
             f"{row['model']:>18}: train x{row['train_ratio']:.2f}  infer x{row['infer_ratio']:.2f}  "
-            f"latency x{row['latency_ratio']:.2f}" + (f"  mem {mem['ours']:.0f}/{mem['timm']:.0f} MB" if args.memory else ""),
+            f"latency x{row['latency_ratio']:.2f}" + (f"  mem {mem['ours']:.0f}/{mem['timm']:.0f} MB" if args.memory else "")
+            + (f"  GEMM share {100 * row['ours_gemm_share']:.0f}%/{100 * row['timm_gemm_share']:.0f}%"
+               if args.gemm_share else ""),
             flush=True,
         )
     table = markdown(rows)
+    if args.gemm_share:
+        table += "\n\n" + gemm_share_markdown(rows)
     header = f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, batch {args.batch}, reps {args.reps}"
     print(f"\n{header}\n\n{table}")
     if args.out:

@@ -7,7 +7,8 @@ Every implementation maps token sequences to token sequences::
     y = attn(x, memory, key_padding_mask=pad)     # cross-attention over (B, S, D) memory
 
 and has the same call signature ``forward(query, key=None, value=None, *,
-key_padding_mask=None, attn_mask=None, is_causal=False, kv_cache=None)``:
+key_padding_mask=None, attn_mask=None, is_causal=False, kv_cache=None,
+residual=None)``:
 
 - ``query`` (B, N, D); ``key``/``value`` (B, S, D) default to ``query``
   (``value`` defaults to ``key``).
@@ -19,6 +20,9 @@ key_padding_mask=None, attn_mask=None, is_causal=False, kv_cache=None)``:
 - ``is_causal``: position i only sees keys 0..i (counted from the start of the
   cache when one is given).
 - ``kv_cache``: a :class:`KVCache` for incremental decoding (see there).
+- ``residual`` (B, N, D): added to the output, by the output projection's kernel at
+  CPU inference (:func:`layers.feedforward.fused_linear`), so a pre-norm block's
+  residual add costs no pass of its own.
 
 A variant that cannot honour an argument (Linformer mixes the token axis, so it
 has no causal mode) raises a ``ValueError`` saying so instead of ignoring it.
@@ -30,7 +34,8 @@ Rows whose keys are *all* blocked have no defined softmax; avoid them (e.g. neve
 pad a whole sequence).
 
 A new variant subclasses :class:`Attention`, implements ``_attend`` (it receives the
-checked arguments of ``forward``) and registers under a name with
+checked arguments of ``forward`` and returns the mixed tokens (B, N, D) that ``forward``
+passes through the output projection ``proj``) and registers under a name with
 ``@register_attention("name")``, which makes it buildable everywhere an
 ``attention`` argument is taken.
 """
@@ -44,6 +49,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from layers.feedforward import fused_linear
 from layers.registry import Registry
 
 __all__ = [
@@ -175,10 +181,12 @@ class Attention(nn.Module):
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
         kv_cache: KVCache | None = None,
+        residual: Tensor | None = None,
     ) -> Tensor:
         """(B, N, D) queries attend to (B, S, D) keys/values -> (B, N, D); arguments as in the module docstring."""
         self._check_args(query, key, is_causal, kv_cache)
-        return self._attend(query, key, value, key_padding_mask, attn_mask, is_causal, kv_cache)
+        mixed = self._attend(query, key, value, key_padding_mask, attn_mask, is_causal, kv_cache)
+        return fused_linear(mixed, self.proj, residual=residual)
 
     def _attend(
         self,
@@ -190,8 +198,9 @@ class Attention(nn.Module):
         is_causal: bool,
         kv_cache: KVCache | None,
     ) -> Tensor:
-        """The variant's computation, given :meth:`forward`'s arguments once they passed its checks.
-        Variants override it with the same parameters (unannotated: the types are these)."""
+        """The variant's token mixing up to its output projection: (B, N, D), given :meth:`forward`'s
+        arguments once they passed its checks. Variants override it with the same parameters
+        (unannotated: the types are these)."""
         raise NotImplementedError
 
     def _project_kv(self, linear: nn.Linear, start: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
@@ -286,7 +295,8 @@ class MultiHeadAttention(Attention):
         b, n, _ = query.shape
         if (key is None or key is query) and kv_cache is None:
             # one GEMM for q, k and v, as timm's ViT does
-            q, k, v = self.qkv(query).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+            qkv = fused_linear(query, self.qkv)
+            q, k, v = qkv.view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
             offset = 0
         else:
             q = self._heads(self._rows(self.qkv, query, 0, self.dim))
@@ -302,7 +312,7 @@ class MultiHeadAttention(Attention):
             if blocked is not None and bias is not None:
                 mask = mask + bias
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), dropout_p=dropout_p)
-        return self.proj(self._merge(out))
+        return self._merge(out)
 
 
 @register_attention("separable")
@@ -338,24 +348,24 @@ class SeparableSelfAttention(Attention):
         self.attn_drop = nn.Dropout(dropout)
         self.proj = nn.Linear(dim, dim, bias=bias)
 
-    def forward_grid(self, x: Tensor, token_dims: tuple[int, ...]) -> Tensor:
+    def forward_grid(self, x: Tensor, token_dims: tuple[int, ...], residual: Tensor | None = None) -> Tensor:
         """Self-attention (unmasked, not causal) among the tokens that the dims ``token_dims`` of
-        ``x`` (..., D) index jointly. MobileViTv2 passes its channels-last patch grid
-        (B, N_h, P_h, N_w, P_w, D) with ``token_dims=(1, 3)``, so every pixel position inside
-        a patch attends over all patches without unfolding the map (no copy)."""
+        ``x`` (..., D) index jointly, plus ``residual`` (x's shape) if given. MobileViTv2 passes its
+        channels-last patch grid (B, N_h, P_h, N_w, P_w, D) with ``token_dims=(1, 3)``, so every
+        pixel position inside a patch attends over all patches without unfolding the map (no copy)."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"SeparableSelfAttention expects (..., {self.dim}) tokens, got {tuple(x.shape)}")
-        logits, k, v = self.qkv(x).split([1, self.dim, self.dim], dim=-1)
+        logits, k, v = fused_linear(x, self.qkv).split([1, self.dim, self.dim], dim=-1)
         logits = logits - logits.amax(dim=token_dims, keepdim=True)
         weights = logits.exp_()
         scores = self.attn_drop(weights / weights.sum(dim=token_dims, keepdim=True))
         context = (k * scores).sum(dim=token_dims, keepdim=True)
-        return self.proj(F.relu(v) * context)
+        return fused_linear(F.relu(v) * context, self.proj, residual=residual)
 
     def _attend(self, query, key, value, key_padding_mask, attn_mask, is_causal, kv_cache) -> Tensor:
         if attn_mask is not None:
             raise ValueError("SeparableSelfAttention has no pairwise scores, so it takes no attn_mask")
-        logits, k, v = self.qkv(query).split([1, self.dim, self.dim], dim=-1)
+        logits, k, v = fused_linear(query, self.qkv).split([1, self.dim, self.dim], dim=-1)
         if key_padding_mask is not None:
             if kv_cache is not None:
                 key_padding_mask = key_padding_mask[:, kv_cache.length :]
@@ -367,7 +377,7 @@ class SeparableSelfAttention(Attention):
         else:
             scores = self.attn_drop(logits.softmax(dim=1))  # (B, N, 1)
             context = (k * scores).sum(dim=1, keepdim=True)  # (B, 1, D)
-        return self.proj(F.relu(v) * context)
+        return F.relu(v) * context
 
     def _causal_context(self, logits: Tensor, k: Tensor) -> Tensor:
         """Context of each prefix, (B, N, D). Uses one max per sequence for stability."""
@@ -456,7 +466,7 @@ class LinformerAttention(Attention):
         out = F.scaled_dot_product_attention(
             self._heads(q), self._heads(k), self._heads(v), dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(self._merge(out))
+        return self._merge(out)
 
 
 class _SynthesizerBase(Attention):
@@ -494,7 +504,7 @@ class _SynthesizerBase(Attention):
         logits = self._logits(query, offset, s)
         blocked, bias = self._blocked(b, n, s, offset, key_padding_mask, attn_mask, is_causal, query.device)
         attn = self.attn_drop(self._masked_softmax(logits, blocked, bias))
-        return self.proj(self._merge(attn @ v))
+        return self._merge(attn @ v)
 
 
 @register_attention("synthesizer_dense")
@@ -573,4 +583,4 @@ class AdditiveAttention(Attention):
         logits = logits.squeeze(-1)
         blocked, bias = self._blocked(b, n, k.shape[2], offset, key_padding_mask, attn_mask, is_causal, q.device)
         attn = self.attn_drop(self._masked_softmax(logits, blocked, bias))
-        return self.proj(self._merge(attn @ v))
+        return self._merge(attn @ v)
