@@ -1,6 +1,6 @@
 """Translation speed and quality, measured side by side in one process.
 
-    python benchmarks/bench_translate.py speed  [--threads 2] [--dims demo|base]
+    python benchmarks/bench_translate.py speed  [--threads 2] [--dims demo|base] [--repeats 5] [--decode-only]
     python benchmarks/bench_translate.py curve  [--out runs/bench_translate_curve] [CLI overrides]
 
 ``speed``:
@@ -13,6 +13,9 @@
   peer is skipped with a note when ``transformers`` is not installed (it is a
   benchmark-only dependency: ``pip install transformers``);
 - cached vs uncached decoding (the prefix recomputed every step) at 64 output tokens.
+
+Ours and the peer run interleaved (ours, peer, ours, ...) and each reports its best wall time and
+its best process-CPU time over ``--repeats``; on a shared machine the CPU-time ratio is the steadier one.
 
 ``curve``: the default ``python -m tasks.translate fit`` (demo recipe) with a callback that
 records wall time, process CPU time, val BLEU and chrF after every validation, then
@@ -40,12 +43,21 @@ DIMS = {  # (dim, layers per side, heads, ffn): the demo recipe and the paper's 
 
 def timed(fn, repeats: int) -> float:
     """Best-of-``repeats`` seconds of one call (after one warm-up call)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return timed_side_by_side({"fn": fn}, repeats)["fn"][0]
+
+
+def timed_side_by_side(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
+    """name -> (best wall seconds, best process-CPU seconds) of one call, the calls interleaved
+    (a, b, a, b, ...) so that both sides meet the same load on a shared machine; one warm-up each."""
+    for fn in fns.values():
         fn()
-        best = min(best, time.perf_counter() - start)
+    best = {name: (float("inf"), float("inf")) for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
     return best
 
 
@@ -115,14 +127,14 @@ def bench_decoding(dims: str, vocab: int, src: torch.Tensor, out_len: int = 64, 
                            pad_id=0, min_len=out_len, use_cache=use_cache)
 
     with torch.inference_mode():
-        result = {"ours_beam4_sentences_per_s": b / timed(ours_beam, repeats)}
         uncached = timed(lambda: ours_beam(use_cache=False), 1)
-        result["ours_uncached_beam4_sentences_per_s"] = b / uncached
-        result["cache_speedup"] = result["ours_beam4_sentences_per_s"] / result["ours_uncached_beam4_sentences_per_s"]
         try:
             marian = marian_model(vocab, dims).eval()
         except ImportError:
-            result["marian"] = "transformers not installed: pip install transformers (benchmark-only dependency)"
+            result = {"ours_beam4_sentences_per_s": b / timed(ours_beam, repeats),
+                      "marian": "transformers not installed: pip install transformers (benchmark-only dependency)"}
+            result["ours_uncached_beam4_sentences_per_s"] = b / uncached
+            result["cache_speedup"] = result["ours_beam4_sentences_per_s"] * uncached / b
             return result
         n_ours = sum(p.numel() for p in ours.parameters())
         n_marian = sum(p.numel() for p in marian.parameters() if p.requires_grad)
@@ -135,8 +147,14 @@ def bench_decoding(dims: str, vocab: int, src: torch.Tensor, out_len: int = 64, 
 
         out = marian_beam()
         assert out.shape[1] >= out_len, out.shape
-        result["marian_beam4_sentences_per_s"] = b / timed(marian_beam, repeats)
-        result["ours_vs_marian"] = result["ours_beam4_sentences_per_s"] / result["marian_beam4_sentences_per_s"]
+        best = timed_side_by_side({"ours": ours_beam, "marian": marian_beam}, repeats)
+        result = {"ours_beam4_sentences_per_s": b / best["ours"][0],
+                  "marian_beam4_sentences_per_s": b / best["marian"][0],
+                  "ours_vs_marian": best["marian"][0] / best["ours"][0],
+                  "ours_vs_marian_cpu_seconds": best["marian"][1] / best["ours"][1],
+                  "best_cpu_seconds_ours_marian": [round(best["ours"][1], 3), round(best["marian"][1], 3)],
+                  "ours_uncached_beam4_sentences_per_s": b / uncached}
+        result["cache_speedup"] = result["ours_beam4_sentences_per_s"] * uncached / b
         result["params_ours_marian"] = [n_ours, n_marian]
     return result
 
@@ -147,8 +165,9 @@ def speed(args) -> dict:
     vocab = dm.vocab_size
     report = {"threads": args.threads, "torch": torch.__version__, "dims": args.dims, "vocab": vocab,
               "batch": list(src.shape)}
-    torch.manual_seed(0)
-    report.update(bench_training(our_model(vocab, args.dims), dm, args.train_steps, args.repeats))
+    if not args.decode_only:
+        torch.manual_seed(0)
+        report.update(bench_training(our_model(vocab, args.dims), dm, args.train_steps, args.repeats))
     report.update(bench_decoding(args.dims, vocab, src, repeats=args.repeats))
     return report
 
@@ -210,6 +229,7 @@ def parse_args(argv=None):
     s.add_argument("--dims", choices=sorted(DIMS), default="demo")
     s.add_argument("--train-steps", type=int, default=10)
     s.add_argument("--repeats", type=int, default=2, help="timed repeats (best of), after one warm-up")
+    s.add_argument("--decode-only", action="store_true", help="skip the training-throughput measurement")
     c = sub.add_parser("curve", epilog="Any other arguments are CLI overrides for the fit and the test, "
                                          "e.g. --trainer.max_epochs 5")
     c.add_argument("--out", default="runs/bench_translate_curve")

@@ -1,8 +1,9 @@
 """Greedy and beam search for encoder-decoder models, batched and with the decoder's cache.
 
 Both work on any ``decoder`` with the interface of :class:`heads.seq2seq.TransformerDecoder`:
-``decoder(tgt (N, T), memory (N, S, D), memory_padding_mask (N, S), cache) -> logits (N, T, V)``
-and ``decoder.new_cache()`` returning an object with ``reorder(index)``.
+``decoder(tgt (N, T), memory (B, S, D), memory_padding_mask (B, S), cache) -> logits (N, T, V)``,
+where the N = K * B rows are the K hypotheses of each sentence in consecutive rows (K = 1
+for greedy search), and ``decoder.new_cache()`` returning an object with ``reorder(index)``.
 
 Every step is one decoder call on all sentences (times beams) at once; no Python loop
 runs over sentences. With ``use_cache=True`` a step feeds only the newest token and the
@@ -53,36 +54,52 @@ def gnmt_length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
 
 
 class _Stepper:
-    """Next-token log-probabilities for the prefixes (N, t), with or without the cache."""
+    """Next-token log-probabilities (N, V) for the prefixes (N, t), with or without the cache."""
 
-    def __init__(self, decoder, memory: Tensor, memory_padding_mask: Tensor | None, use_cache: bool,
-                 banned: tuple[int, ...]):
+    def __init__(self, decoder, memory: Tensor, memory_padding_mask: Tensor | None, use_cache: bool):
         self.decoder, self.memory, self.mask = decoder, memory, memory_padding_mask
         self.cache = decoder.new_cache() if use_cache else None
-        self.banned = list(banned)
 
     def __call__(self, prefix: Tensor) -> Tensor:
         if self.cache is not None:
             logits = self.decoder(prefix[:, -1:], self.memory, self.mask, self.cache)
         else:
             logits = self.decoder(prefix, self.memory, self.mask)
-        log_probs = logits[:, -1].float().log_softmax(dim=-1)
-        log_probs[:, self.banned] = float("-inf")
-        return log_probs
+        return logits[:, -1].float().log_softmax(dim=-1)
 
     def reorder(self, index: Tensor) -> None:
         if self.cache is not None:
             self.cache.reorder(index)
 
 
-def _length_limits(log_probs: Tensor, last: Tensor, eos_id: int, too_short: bool) -> Tensor:
-    """Block every token but eos for rows whose ``last`` (broadcastable) flag is set, and eos
-    everywhere while the outputs are ``too_short``."""
-    not_eos = torch.ones(log_probs.shape[-1], dtype=torch.bool, device=log_probs.device)
-    not_eos[eos_id] = False
-    if too_short:
-        log_probs = log_probs.masked_fill(~not_eos & ~last, float("-inf"))
-    return log_probs.masked_fill(last & not_eos, float("-inf"))
+class _TokenRules:
+    """Which tokens step t may produce, as an additive bias (0 or -inf) on log-probabilities:
+    never pad or bos; no eos before ``min_len`` tokens; only eos at a sentence's last step."""
+
+    def __init__(self, max_len: Tensor, min_len: int, bos_id: int, eos_id: int, pad_id: int):
+        self.max_len, self.min_len, self.eos_id = max_len, min_len, eos_id
+        self.banned = [pad_id, bos_id]
+        self.earliest_last_step = int(max_len.min()) - 1 if max_len.numel() else 0
+        self.biases = None
+
+    def eos_possible(self, t: int) -> bool:
+        return t >= self.min_len - 1 or t >= self.earliest_last_step
+
+    def __call__(self, t: int, vocab: int, device: torch.device) -> Tensor:
+        """(V,) or, when some sentence is at its last step, (B, 1, V)."""
+        if self.biases is None:
+            free = torch.zeros(vocab, device=device)
+            free[self.banned] = float("-inf")
+            short = free.clone()
+            short[self.eos_id] = float("-inf")
+            last = torch.full((vocab,), float("-inf"), device=device)
+            last[self.eos_id] = 0.0
+            self.biases = free, short, last
+        free, short, last = self.biases
+        bias = short if t < self.min_len - 1 else free
+        if t < self.earliest_last_step:
+            return bias
+        return torch.where((t >= self.max_len - 1)[:, None, None], last, bias)
 
 
 @torch.no_grad()
@@ -91,19 +108,21 @@ def greedy_search(decoder, memory: Tensor, memory_padding_mask: Tensor | None, m
     """Arg-max decoding. memory (B, S, D), max_len (B,) output tokens per sentence (eos included);
     ``min_len``: no eos before that many tokens (unless ``max_len`` is shorter)."""
     b = memory.shape[0]
-    step = _Stepper(decoder, memory, memory_padding_mask, use_cache, (pad_id, bos_id))
+    step = _Stepper(decoder, memory, memory_padding_mask, use_cache)
+    rules = _TokenRules(max_len, min_len, bos_id, eos_id, pad_id)
     tokens = torch.full((b, 1), bos_id, dtype=torch.long, device=memory.device)
     scores = torch.zeros(b, device=memory.device)
     done = torch.zeros(b, dtype=torch.bool, device=memory.device)
     for t in range(int(max_len.max())):
-        log_probs = _length_limits(step(tokens), (t >= max_len - 1)[:, None], eos_id, t < min_len - 1)
-        best, nxt = log_probs.max(dim=-1)
+        log_probs = step(tokens)
+        best, nxt = (log_probs + rules(t, log_probs.shape[-1], log_probs.device).view(-1, log_probs.shape[-1])).max(dim=-1)
         scores += best.masked_fill(done, 0.0)
         nxt = nxt.masked_fill(done, pad_id)
         tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-        done |= nxt == eos_id
-        if done.all():
-            break
+        if rules.eos_possible(t):
+            done |= nxt == eos_id
+            if done.all():
+                break
     return Hypotheses(tokens[:, 1:], scores, scores.clone())
 
 
@@ -115,10 +134,8 @@ def beam_search(decoder, memory: Tensor, memory_padding_mask: Tensor | None, max
     memory_padding_mask (B, S) True = pad, max_len (B,) output tokens per sentence,
     ``min_len``: no eos before that many tokens (unless ``max_len`` is shorter)."""
     b, k, device = memory.shape[0], beam_size, memory.device
-    rows = torch.arange(b, device=device).repeat_interleave(k)  # sentence of each of the B*K beams
-    memory = memory.index_select(0, rows)
-    mask = None if memory_padding_mask is None else memory_padding_mask.index_select(0, rows)
-    step = _Stepper(decoder, memory, mask, use_cache, (pad_id, bos_id))
+    step = _Stepper(decoder, memory, memory_padding_mask, use_cache)
+    rules = _TokenRules(max_len, min_len, bos_id, eos_id, pad_id)
     longest = int(max_len.max())
     neg_inf = float("-inf")
 
@@ -135,31 +152,33 @@ def beam_search(decoder, memory: Tensor, memory_padding_mask: Tensor | None, max
     for t in range(longest):
         log_probs = step(tokens)
         vocab = log_probs.shape[-1]
-        log_probs = _length_limits(log_probs.view(b, k, vocab), (t >= max_len - 1)[:, None, None], eos_id,
-                                   t < min_len - 1)
-        cand_scores, cand = (live_scores[:, :, None] + log_probs).view(b, k * vocab).topk(2 * k, dim=1)
+        scores = log_probs.view(b, k, vocab).add_(rules(t, vocab, device)).add_(live_scores[:, :, None])
+        cand_scores, cand = scores.view(b, k * vocab).topk(2 * k, dim=1)
         cand_beam, cand_token = cand // vocab, cand % vocab
-        is_eos = cand_token == eos_id
-
-        # finished hypotheses: eos among the top K candidates of a sentence still searching
-        new_fin = is_eos[:, :k] & ~done[:, None] & cand_scores[:, :k].isfinite()
-        new_raw = cand_scores[:, :k].masked_fill(~new_fin, neg_inf)
-        new_norm = new_raw / gnmt_length_penalty(t + 1, alpha)
-        prefix = tokens[:, 1:].view(b, k, t).gather(1, cand_beam[:, :k, None].expand(b, k, t))
-        new_tokens = torch.full((b, k, longest), pad_id, dtype=torch.long, device=device)
-        new_tokens[:, :, :t] = prefix
-        new_tokens[:, :, t] = eos_id
-        fin_norm, keep = torch.cat([fin_norm, new_norm], dim=1).topk(k, dim=1)
-        fin_raw = torch.cat([fin_raw, new_raw], dim=1).gather(1, keep)
-        fin_tokens = torch.cat([fin_tokens, new_tokens], dim=1).gather(1, keep[:, :, None].expand(b, k, longest))
-        done |= fin_norm[:, -1].isfinite()  # K finished hypotheses
-        if done.all():
-            break
-
-        # live beams: the best K candidates that did not end
-        live_scores, pick = cand_scores.masked_fill(is_eos, neg_inf).topk(k, dim=1)
-        parent = (beam_offset + cand_beam.gather(1, pick)).view(-1)
-        tokens = torch.cat([tokens.index_select(0, parent), cand_token.gather(1, pick).view(-1, 1)], dim=1)
+        if not rules.eos_possible(t):  # the best K candidates are the live beams
+            live_scores, parent_beam, live_token = cand_scores[:, :k], cand_beam[:, :k], cand_token[:, :k]
+        else:
+            is_eos = cand_token == eos_id
+            # finished hypotheses: eos among the top K candidates of a sentence still searching
+            new_fin = is_eos[:, :k] & ~done[:, None] & cand_scores[:, :k].isfinite()
+            if new_fin.any():
+                new_raw = cand_scores[:, :k].masked_fill(~new_fin, neg_inf)
+                new_norm = new_raw / gnmt_length_penalty(t + 1, alpha)
+                prefix = tokens[:, 1:].view(b, k, t).gather(1, cand_beam[:, :k, None].expand(b, k, t))
+                new_tokens = torch.full((b, k, longest), pad_id, dtype=torch.long, device=device)
+                new_tokens[:, :, :t] = prefix
+                new_tokens[:, :, t] = eos_id
+                fin_norm, keep = torch.cat([fin_norm, new_norm], dim=1).topk(k, dim=1)
+                fin_raw = torch.cat([fin_raw, new_raw], dim=1).gather(1, keep)
+                fin_tokens = torch.cat([fin_tokens, new_tokens], dim=1).gather(1, keep[:, :, None].expand(b, k, longest))
+                done |= fin_norm[:, -1].isfinite()  # K finished hypotheses
+                if done.all():
+                    break
+            # live beams: the best K candidates that did not end
+            live_scores, pick = cand_scores.masked_fill(is_eos, neg_inf).topk(k, dim=1)
+            parent_beam, live_token = cand_beam.gather(1, pick), cand_token.gather(1, pick)
+        parent = (beam_offset + parent_beam).view(-1)
+        tokens = torch.cat([tokens.index_select(0, parent), live_token.reshape(-1, 1)], dim=1)
         step.reorder(parent)
 
     best = fin_norm.argmax(dim=1)

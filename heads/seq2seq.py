@@ -4,18 +4,20 @@ A decoder layer is causal self-attention, cross-attention over the encoder outpu
 and a feed-forward network, each in a residual block (post- or pre-norm, as the
 encoder). Both attentions are the zoo's standard :class:`MultiHeadAttention`.
 
-Incremental decoding keeps one :class:`DecoderCache` per batch: per layer, the
-self-attention keys/values of the tokens decoded so far (grown by one position
-per step) and the cross-attention keys/values of the memory (projected on the
-first step, reused afterwards). Beam search reorders the cache rows with
-:meth:`DecoderCache.reorder`.
+Hypotheses share their sentence's memory: the target batch may hold ``K`` rows per
+memory row (sentence i's hypotheses at rows ``iK .. iK + K - 1``, as beam search lays
+them out). Cross-attention takes a sentence's K hypotheses as K more queries over its
+one memory, so the memory is neither repeated nor projected K times.
+
+Incremental decoding keeps one :class:`DecoderCache` per batch: the self-attention
+keys/values of every layer in one buffer that each step writes into (no concatenation),
+and the cross-attention keys/values of the memory (projected on the first step, reused
+afterwards). Beam search reorders the hypotheses with :meth:`DecoderCache.reorder`.
 
 The output projection is tied to the token embedding (``logits = h E^T``), which
 is the decoder's input table and, with a shared vocabulary, the encoder's too.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -28,27 +30,62 @@ from layers.transformer import Residual, TokenEmbedding, init_transformer_weight
 Tensor = torch.Tensor
 
 
-@dataclass
+def padding_bias(padding_mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """(B, S) bool, True = pad -> (B, 1, 1, S) attention bias: 0 for tokens, -inf for padding."""
+    bias = torch.zeros(padding_mask.shape, dtype=dtype, device=padding_mask.device)
+    return bias.masked_fill(padding_mask, float("-inf"))[:, None, None]
+
+
 class DecoderCache:
-    """Decoding state of a batch: one (self, cross) pair of :class:`KVCache` per layer and
-    the number of target positions processed so far."""
+    """Decoding state of a batch of N hypotheses.
 
-    self_attn: list[KVCache] = field(default_factory=list)
-    cross_attn: list[KVCache] = field(default_factory=list)
-    steps: int = 0
+    - ``self_kv`` (N, L, 2, H, capacity, head_dim): layer l's self-attention keys at ``[:, l, 0]``
+      and values at ``[:, l, 1]`` for the ``steps`` positions decoded so far. Each step writes its
+      position in place; the buffer doubles when full. Positions sit next to each other per
+      (hypothesis, head), the layout attention reads fastest, and a hypothesis' whole state is
+      one block of rows, the layout :meth:`reorder` copies fastest.
+    - ``cross_attn``: per layer, a static :class:`KVCache` with the keys/values of the memory
+      (sentences, H, S, head_dim), projected at the first step.
+    - ``memory_bias``: (sentences, 1, 1, S) attention bias of the memory's padding, or None.
+    """
 
-    @classmethod
-    def empty(cls, num_layers: int) -> "DecoderCache":
-        return cls([KVCache() for _ in range(num_layers)], [KVCache(static=True) for _ in range(num_layers)])
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.cross_attn = [KVCache(static=True) for _ in range(num_layers)]
+        self.memory_bias: Tensor | None = None
+        self.self_kv: Tensor | None = None
+        self.steps = 0
+
+    def append(self, layer: int, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """Store layer ``layer``'s keys/values ``kv`` (N, T, 2, H, head_dim) of the T new positions;
+        returns the keys and values (N, H, steps + T, head_dim) of all positions (views)."""
+        n, new, _, heads, head_dim = kv.shape
+        end = self.steps + new
+        if self.self_kv is None or self.self_kv.shape[4] < end:
+            self._grow(max(end, 16 if self.self_kv is None else 2 * self.self_kv.shape[4]), kv)
+        self.self_kv[:, layer, :, :, self.steps:end] = kv.permute(0, 2, 3, 1, 4)
+        return self.self_kv[:, layer, 0, :, :end], self.self_kv[:, layer, 1, :, :end]
+
+    def _grow(self, capacity: int, kv: Tensor) -> None:
+        n, _, _, heads, head_dim = kv.shape
+        buffer = kv.new_empty(n, self.num_layers, 2, heads, capacity, head_dim)
+        if self.self_kv is not None:
+            buffer[..., : self.steps, :] = self.self_kv[..., : self.steps, :]
+        self.self_kv = buffer
 
     def reorder(self, index: Tensor) -> None:
-        """Keep batch rows ``index`` (B',) of the self-attention states, in that order. The
-        cross-attention states stay: beam search only reorders beams of one source, which
-        share their memory."""
-        for c in self.self_attn:
-            if c.key is not None:
-                c.key = c.key.index_select(0, index)
-                c.value = c.value.index_select(0, index)
+        """Hypothesis i continues hypothesis ``index[i]`` (N,). Every index must stay within its
+        sentence's block of rows (as beam search's do): the memory's keys/values are per sentence."""
+        if self.self_kv is None:
+            return
+        if index.shape != (len(self.self_kv),):
+            raise ValueError(f"reorder needs one index per hypothesis, ({len(self.self_kv)},), "
+                             f"got {tuple(index.shape)}")
+        # beams often continue themselves: copying only the rows that change moves fewer bytes
+        moved = (index != torch.arange(len(index), device=index.device)).nonzero().squeeze(1)
+        if len(moved):
+            past = self.self_kv[..., : self.steps, :]
+            past.index_copy_(0, moved, past.index_select(0, index[moved]))
 
 
 class DecoderLayer(nn.Module):
@@ -62,15 +99,44 @@ class DecoderLayer(nn.Module):
         self.ffn = FeedForward(dim, ffn_dim, nn.ReLU, activation_dropout, out_dropout=0.0)
         self.ffn_block = Residual(dim, dropout, pre_norm)
 
-    def forward(self, x: Tensor, memory: Tensor | None, memory_padding_mask: Tensor | None,
-                self_cache: KVCache | None = None, cross_cache: KVCache | None = None) -> Tensor:
-        # causal: with a cache, the new positions see the cached ones plus themselves; a single
-        # position sees everything there is, which lets SDPA skip the mask
-        causal = x.shape[1] > 1
-        x = self.self_block(x, lambda h: self.self_attn(h, is_causal=causal, kv_cache=self_cache))
-        x = self.cross_block(x, lambda h: self.cross_attn(h, memory, key_padding_mask=memory_padding_mask,
-                                                          kv_cache=cross_cache))
+    def forward(self, x: Tensor, memory: Tensor | None, memory_padding_mask: Tensor | None = None,
+                cache: DecoderCache | None = None, index: int = 0) -> Tensor:
+        """x (N, T, D), N a multiple of the number of sentences; memory (sentences, S, D), None when
+        ``cache`` holds its keys/values; memory_padding_mask (sentences, S) bool, True = pad, or its
+        :func:`padding_bias` (which the decoder computes once for all layers and steps);
+        ``index``: this layer's number in ``cache``."""
+        memory_bias = memory_padding_mask
+        if memory_bias is not None and memory_bias.dtype == torch.bool:
+            memory_bias = padding_bias(memory_bias, x.dtype)
+        if cache is None:
+            x = self.self_block(x, lambda h: self.self_attn(h, is_causal=True))
+        else:
+            x = self.self_block(x, lambda h: self._cached_self_attention(h, cache, index))
+        cross_cache = None if cache is None else cache.cross_attn[index]
+        x = self.cross_block(x, lambda h: self._cross_attention(h, memory, memory_bias, cross_cache))
         return self.ffn_block(x, self.ffn)
+
+    def _cached_self_attention(self, h: Tensor, cache: DecoderCache, index: int) -> Tensor:
+        """The self-attention module's computation, with its keys/values kept in ``cache``'s buffer
+        rather than the zoo's :class:`KVCache`, which concatenates a new tensor every step."""
+        attn = self.self_attn
+        n, new, dim = h.shape
+        q, kv = attn.qkv(h).view(n, new, 3, attn.num_heads, attn.head_dim).split([1, 2], dim=2)
+        keys, values = cache.append(index, kv)
+        allowed = None
+        if new > 1:  # causal among the new positions, which all see the cached ones
+            allowed = torch.ones(new, keys.shape[2], dtype=torch.bool, device=h.device).tril(keys.shape[2] - new)
+        out = F.scaled_dot_product_attention(q.squeeze(2).transpose(1, 2), keys, values, attn_mask=allowed,
+                                             dropout_p=attn.dropout if self.training else 0.0)
+        return attn.proj(out.transpose(1, 2).reshape(n, new, dim))
+
+    def _cross_attention(self, h: Tensor, memory: Tensor | None, memory_bias: Tensor | None,
+                         cache: KVCache | None) -> Tensor:
+        n, new, dim = h.shape
+        sentences = (memory if cache is None or cache.key is None else cache.key).shape[0]
+        queries = h.reshape(sentences, -1, dim)  # a sentence's hypotheses: more queries over the same memory
+        out = self.cross_attn(queries, memory, attn_mask=memory_bias, kv_cache=cache)
+        return out.reshape(n, new, dim)
 
 
 class TransformerDecoder(nn.Module):
@@ -108,20 +174,28 @@ class TransformerDecoder(nn.Module):
         return self.embed.tokens.weight
 
     def new_cache(self) -> DecoderCache:
-        return DecoderCache.empty(self.depth)
+        return DecoderCache(self.depth)
 
-    def forward(self, tgt: Tensor, memory: Tensor, memory_padding_mask: Tensor | None = None,
+    def forward(self, tgt: Tensor, memory: Tensor | None, memory_padding_mask: Tensor | None = None,
                 cache: DecoderCache | None = None) -> Tensor:
-        """tgt (B, T) ids; with ``cache``, only the new positions (usually T = 1), which are
-        appended to it. memory (B, S, D); memory_padding_mask (B, S) True = pad.
-        Returns logits (B, T, V)."""
+        """tgt (N, T) ids, K hypotheses per sentence in consecutive rows (N = K * sentences; K = 1
+        for teacher forcing); with ``cache``, only the new positions (usually T = 1), which are
+        appended to it. memory (sentences, S, D), may be None once ``cache`` holds its keys/values;
+        memory_padding_mask (sentences, S) True = pad. Returns logits (N, T, V)."""
+        if memory is not None and tgt.shape[0] % memory.shape[0]:
+            raise ValueError(f"{tgt.shape[0]} target rows are not a whole number of hypotheses for each of "
+                             f"the {memory.shape[0]} sentences of the memory")
         offset = 0 if cache is None else cache.steps
         x = self.embed(tgt, offset)
-        if memory_padding_mask is not None and not memory_padding_mask.any():
-            memory_padding_mask = None
+        if cache is not None and cache.cross_attn[0].key is not None:
+            memory_bias = cache.memory_bias  # of the memory projected at an earlier step
+        else:
+            has_padding = memory_padding_mask is not None and bool(memory_padding_mask.any())
+            memory_bias = padding_bias(memory_padding_mask, x.dtype) if has_padding else None
+            if cache is not None:
+                cache.memory_bias = memory_bias
         for i, layer in enumerate(self.layers):
-            x = layer(x, memory, memory_padding_mask,
-                      None if cache is None else cache.self_attn[i], None if cache is None else cache.cross_attn[i])
+            x = layer(x, memory, memory_bias, cache, i)
         if cache is not None:
             cache.steps += tgt.shape[1]
         return F.linear(self.norm(x), self.output_weight)

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 import yaml
 from torchvision.ops import batched_nms
 
+from heads.seq2seq import padding_bias
 from layers.attention import KVCache
 
 #: the oldest opset the exporter writes without conversion (ONNX Runtime >= 1.14) and the newest it knows
@@ -233,6 +234,26 @@ class TranslationEncoderGraph(nn.Module):
         return torch.stack(kv, dim=1), padding
 
 
+class GraphDecoderCache:
+    """:class:`heads.seq2seq.DecoderCache`'s interface over the decoder step graph's inputs: the past
+    self-attention keys/values are concatenated with the new ones (a graph output is a new tensor)
+    and collected in ``present``; the memory's keys/values and padding come from the encoder graph."""
+
+    def __init__(self, past_kv: torch.Tensor, cross_kv: torch.Tensor, source_padding: torch.Tensor, num_layers: int):
+        self.past_kv, self.steps = past_kv, past_kv.shape[3]
+        self.cross_attn = [KVCache(key=cross_kv[:, 2 * i], value=cross_kv[:, 2 * i + 1], static=True)
+                           for i in range(num_layers)]
+        self.memory_bias = padding_bias(source_padding, cross_kv.dtype)  # always applied: no data-dependent branch
+        self.present: list[torch.Tensor] = []
+
+    def append(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        new_keys, new_values = kv.permute(2, 0, 3, 1, 4)  # (N, T, 2, H, d) -> 2 x (N, H, T, d)
+        keys = torch.cat([self.past_kv[:, 2 * layer], new_keys], dim=2)
+        values = torch.cat([self.past_kv[:, 2 * layer + 1], new_values], dim=2)
+        self.present += [keys, values]
+        return keys, values
+
+
 class TranslationDecoderStep(nn.Module):
     """One cached decoder step: ``tokens (N, 1)`` (the newest token of each hypothesis),
     ``cross_kv (N, 2L, H, S, d)``, ``source_padding (N, S)``, ``past_kv (N, 2L, H, t, d)`` (the
@@ -245,16 +266,9 @@ class TranslationDecoderStep(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cross_kv: torch.Tensor, source_padding: torch.Tensor,
                 past_kv: torch.Tensor):
-        steps = past_kv.shape[3]
-        x = self.decoder.embed(tokens, steps)
-        present = []
-        for i, layer in enumerate(self.decoder.layers):
-            own = KVCache(key=past_kv[:, 2 * i], value=past_kv[:, 2 * i + 1], length=steps)
-            source = KVCache(key=cross_kv[:, 2 * i], value=cross_kv[:, 2 * i + 1], static=True)
-            x = layer(x, None, source_padding, own, source)
-            present += [own.key, own.value]
-        logits = F.linear(self.decoder.norm(x), self.decoder.output_weight)
-        return logits[:, -1], torch.stack(present, dim=1)
+        cache = GraphDecoderCache(past_kv, cross_kv, source_padding, self.decoder.depth)
+        logits = self.decoder(tokens, None, None, cache)
+        return logits[:, -1], torch.stack(cache.present, dim=1)
 
 
 # -- writing and running graphs ------------------------------------------------------------------------------

@@ -26,10 +26,13 @@ from heads.decoding import Hypotheses, beam_search, greedy_search, max_output_le
 
 
 class OnnxDecoderCache:
-    """The self-attention keys/values of the tokens decoded so far, ``past_kv (N, 2L, H, t, d)``."""
+    """The self-attention keys/values of the tokens decoded so far, ``past_kv (N, 2L, H, t, d)``, and the
+    graph's cross-attention inputs repeated for each of a sentence's hypotheses."""
 
     def __init__(self, past: np.ndarray):
         self.past = past
+        self.cross_kv: np.ndarray | None = None
+        self.source_padding: np.ndarray | None = None
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (beam search's surviving hypotheses), in that order."""
@@ -38,7 +41,8 @@ class OnnxDecoderCache:
 
 class OnnxDecoder:
     """The decoder interface of :mod:`heads.decoding` on ONNX Runtime: ``memory`` is the encoder
-    graph's ``cross_kv`` (N, 2L, H, S, d), and a call runs one cached step for the newest token."""
+    graph's ``cross_kv`` (B, 2L, H, S, d), and a call runs one cached step for the newest token
+    of each of the N = K * B hypotheses (a sentence's K hypotheses in consecutive rows)."""
 
     def __init__(self, session, num_layers: int, num_heads: int, head_dim: int):
         self.session = session
@@ -53,12 +57,15 @@ class OnnxDecoder:
         if cache is None:
             raise ValueError("the ONNX decoder runs one cached step at a time: search with use_cache=True")
         n = tgt.shape[0]
-        if cache.past.shape[0] != n:  # the first step: no token before
+        if cache.cross_kv is None:  # the first step: no token before; the graph takes the memory per hypothesis
+            hypotheses = n // memory.shape[0]
+            padding = (memory_padding_mask if memory_padding_mask is not None
+                       else torch.zeros(memory.shape[0], memory.shape[3], dtype=torch.bool))
+            cache.cross_kv = memory.repeat_interleave(hypotheses, dim=0).numpy()
+            cache.source_padding = padding.repeat_interleave(hypotheses, dim=0).numpy()
             cache.past = np.zeros((n, *self.kv_shape), dtype=np.float32)
-        padding = (memory_padding_mask if memory_padding_mask is not None
-                   else torch.zeros(memory.shape[0], memory.shape[3], dtype=torch.bool))
         logits, cache.past = self.session.run(None, {
-            "tokens": tgt.numpy(), "cross_kv": memory.numpy(), "source_padding": padding.numpy(),
+            "tokens": tgt.numpy(), "cross_kv": cache.cross_kv, "source_padding": cache.source_padding,
             "past_kv": cache.past})
         return torch.from_numpy(logits).unsqueeze(1)
 

@@ -145,3 +145,59 @@ def test_min_len_delays_eos_up_to_max_len(model, search):
     out = fn(model[1], memory, padding, max_len, min_len=7, **IDS)
     lengths = out.tokens.ne(PAD).sum(1)
     assert lengths[:3].ge(7).all() and lengths[3] == 4  # max_len wins over min_len
+
+
+class MemoryPerHypothesis(nn.Module):
+    """The reference layout of the memory: one copy per hypothesis, no cache (the decoder then
+    sees one hypothesis per sentence, so its shared-memory cross-attention is not exercised)."""
+
+    def __init__(self, decoder):
+        super().__init__()
+        self.decoder = decoder
+
+    def new_cache(self):
+        raise AssertionError("the reference decodes without a cache")
+
+    def forward(self, tgt, memory, memory_padding_mask=None, cache=None):
+        repeat = tgt.shape[0] // memory.shape[0]
+        return self.decoder(tgt, memory.repeat_interleave(repeat, 0), memory_padding_mask.repeat_interleave(repeat, 0))
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_cached_search_beyond_the_first_buffer_equals_the_per_hypothesis_reference(model, beam_size):
+    """Float32 random weights, padded sources, 20 tokens forced (the cache buffer starts at 16
+    positions and grows): the searched hypotheses equal those of the uncached decoder fed one
+    memory copy per hypothesis (the layout before beams shared their sentence's memory)."""
+    torch.manual_seed(4)
+    vocab = 40
+    enc = TransformerEncoder(vocab, 32, 1, 4, 64, 0.0, max_positions=64).eval()
+    dec = TransformerDecoder(vocab, 32, 2, 4, 64, 0.0, max_positions=64, embed_tokens=enc.embed.tokens).eval()
+    src = source_batch([7, 3, 9, 5], vocab=vocab, seed=5)
+    memory, padding = enc(src)
+    max_len = torch.tensor([22, 21, 22, 20])
+    kw = dict(beam_size=beam_size, alpha=0.6, min_len=20, **IDS)
+    cached = beam_search(dec, memory, padding, max_len, **kw)
+    reference = beam_search(MemoryPerHypothesis(dec), memory, padding, max_len, use_cache=False, **kw)
+    assert cached.tokens.ne(PAD).sum(1).ge(20).all()
+    assert torch.equal(cached.tokens, reference.tokens)
+    torch.testing.assert_close(cached.scores, reference.scores)
+    torch.testing.assert_close(cached.normalized, reference.normalized)
+
+
+def test_reordered_cache_continues_the_chosen_hypotheses(model):
+    """After ``reorder``, a cached step scores the reordered prefixes as a full pass over them does."""
+    _, dec = model
+    memory, padding, _ = encode(model, source_batch([5, 2, 8]))
+    beams = 4
+    tgt = torch.randint(4, 30, (3 * beams, 6), generator=torch.Generator().manual_seed(6))
+    cache = dec.new_cache()
+    for t in range(5):
+        dec(tgt[:, t : t + 1], memory, padding, cache)
+    # within each sentence's block: some beams continue themselves, others another beam
+    index = torch.tensor([0, 0, 3, 1, 5, 5, 6, 7, 11, 8, 8, 9])
+    cache.reorder(index)
+    reordered = torch.cat([tgt[index, :5], tgt[:, 5:6]], dim=1)
+    step = dec(reordered[:, 5:6], memory, padding, cache)
+    torch.testing.assert_close(step[:, 0], dec(reordered, memory, padding)[:, 5])
+    with pytest.raises(ValueError, match="one index per hypothesis"):
+        cache.reorder(index[:4])

@@ -145,7 +145,7 @@ def test_cached_incremental_decoding_equals_the_full_pass():
     cache = dec.new_cache()
     steps = [dec(tgt[:, t : t + 1], memory, padding, cache) for t in range(6)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full)
-    assert cache.steps == 6 and cache.self_attn[0].length == 6
+    assert cache.steps == 6 and cache.self_kv.shape[:3] == (len(tgt), dec.depth, 2)  # every layer's k and v
     # cross-attention keys/values were projected once, from the source length
     assert cache.cross_attn[0].key.shape[2] == 5 and cache.cross_attn[0].steps == 6
 
