@@ -70,6 +70,7 @@ def test_integer_buffers_come_from_the_newest_checkpoint(run_root, tmp_path):
     assert averaged["state_dict"]["norm.num_batches_tracked"].item() == 40
 
 
+@pytest.mark.slow  # long CLI run; the default run must stay under 10 minutes on 2 cores
 def test_averaged_checkpoint_is_tested_through_the_cli(run_root):
     output = run_root / "averaged.ckpt"
     main([str(run_root), "--last", "3", "--output", str(output)])

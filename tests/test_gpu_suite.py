@@ -7,6 +7,8 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO, clean_env
 
 SUITE = REPO / "benchmarks" / "gpu_suite.py"
@@ -23,6 +25,7 @@ def run_suite(*args: str, cwd) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow  # long CLI run; the default run must stay under 10 minutes on 2 cores
 def test_tiny_suite_writes_a_row_per_task_and_variant(tmp_path):
     run_suite("--tiny", "--output", str(tmp_path / "out"), cwd=tmp_path)
     data = json.loads((tmp_path / "out" / "gpu_suite.json").read_text())

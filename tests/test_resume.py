@@ -1,5 +1,6 @@
 """Killing `fit` mid-epoch and resuming with `--ckpt_path last` ends exactly where an
 uninterrupted run ends: weights, optimizer, schedule, EMA average, RNG and data order."""
+import pytest
 import torch
 
 from tests.conftest import REPO
@@ -13,6 +14,7 @@ RUN = ["--config", str(REPO / "configs/classify/demo_mobilevitv2.yaml"), "--trai
        "--model.scheduler.init_args.warmup_steps", "3", "--checkpoint.every_n_train_steps", "1"]
 
 
+@pytest.mark.slow  # long CLI run; the default run must stay under 10 minutes on 2 cores
 def test_kill_mid_epoch_then_resume_matches_uninterrupted_run(run_cli, tmp_path):
     ema = tmp_path / "ema.yaml"
     ema.write_text(EMA)

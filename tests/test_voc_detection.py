@@ -492,6 +492,7 @@ def test_recipes_name_the_voc_datamodule_and_the_demo_copies_the_detection_demo(
 
 
 # -- the same CLI, end to end -----------------------------------------------------------------------------------
+@pytest.mark.slow  # long CLI run; the default run must stay under 10 minutes on 2 cores
 def test_voc_fit_test_predict_with_the_detection_cli(tmp_path):
     """fit, test and predict on a small VOC-layout copy of the demo scenes through `python -m tasks.detect`
     with the VOC demo recipe; test's mAP equals the independent devkit computation on the very
