@@ -30,7 +30,7 @@ from lightning.pytorch import LightningDataModule
 
 from datamodules.images import IMAGE_EXTENSIONS, OnBadImage, collate_skipping, guarded, list_images, read_rgb
 from datamodules.detection_transforms import eval_transform, ssd_train_transform
-from datamodules.loaders import SplitLoaders, make_loader
+from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
 
 
 def check_on_bad_image(value: str) -> None:
@@ -167,7 +167,7 @@ def collate_images(batch: list) -> dict:
     return collate_skipping(batch, collate=stack_images)
 
 
-class DetectionDataModule(SplitLoaders, LightningDataModule):
+class DetectionDataModule(SplitLoaders, StreamedSource, LightningDataModule):
     """What every detection format's datamodule shares: the stages' datasets and their loaders.
 
     A format implements ``split(name, train) -> Dataset`` (items as :class:`ImageFiles`' siblings:
@@ -185,17 +185,6 @@ class DetectionDataModule(SplitLoaders, LightningDataModule):
     def split(self, name, train: bool = False) -> Dataset:
         raise NotImplementedError
 
-    @property
-    def streamed(self):
-        """The optimized dataset at ``hparams.streaming_root`` (:class:`datamodules.streaming.OptimizedDataset`),
-        or ``None`` when the data is read from ``root``."""
-        if self.hparams.get("streaming_root") is None:
-            return None
-        if getattr(self, "_streamed", None) is None:
-            from datamodules.streaming import OptimizedDataset
-
-            self._streamed = OptimizedDataset(self.hparams.streaming_root, self.streaming_layout)
-        return self._streamed
 
     def transform(self, train: bool):
         h = self.hparams

@@ -38,7 +38,7 @@ from datamodules.images import (
     read_rgb,
 )
 from datamodules.classification_transforms import MixCollate, eval_transform, train_transform
-from datamodules.loaders import SplitLoaders, make_loader
+from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
 
 
 def class_folders(split_dir: Path) -> list[str]:
@@ -173,7 +173,7 @@ def build_digits_imagefolder(root: Path, size: int = 32, seed: int = 0) -> None:
                 img.save(folder / f"digit_{i:04d}.png")
 
 
-class ImageFolderDataModule(SplitLoaders, LightningDataModule):
+class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
     """Classification data in ImageNet/ImageFolder layout.
 
     Args:
@@ -218,17 +218,6 @@ class ImageFolderDataModule(SplitLoaders, LightningDataModule):
         self._classes: list[str] | None = None
         self._streamed = None
 
-    @property
-    def streamed(self):
-        """The optimized dataset at ``streaming_root`` (:class:`datamodules.streaming.OptimizedDataset`),
-        or ``None``."""
-        if self.hparams.streaming_root is None:
-            return None
-        if self._streamed is None:
-            from datamodules.streaming import OptimizedDataset
-
-            self._streamed = OptimizedDataset(self.hparams.streaming_root, self.streaming_layout)
-        return self._streamed
 
     @property
     def root(self) -> Path:

@@ -196,3 +196,29 @@ class SplitLoaders:
 
     def predict_dataloader(self):
         return self._loader(self.predict_set, train=False)
+
+
+class StreamedSource:
+    """Mixin for a datamodule that can read an optimized dataset (``hparams.streaming_root``, read with
+    its ``streaming_layout``): :attr:`streamed` opens it once; a datamodule whose settings must match
+    what was optimized (label encoding, vocabulary) checks them in :meth:`check_streamed`."""
+
+    def reads_streamed(self) -> bool:
+        return self.hparams.get("streaming_root") is not None
+
+    @property
+    def streamed(self):
+        """The optimized dataset at ``streaming_root`` (:class:`datamodules.streaming.OptimizedDataset`),
+        or ``None`` when the data is read from ``root``."""
+        if not self.reads_streamed():
+            return None
+        if getattr(self, "_streamed", None) is None:
+            from datamodules.streaming import OptimizedDataset
+
+            streamed = OptimizedDataset(self.hparams.streaming_root, self.streaming_layout)
+            self.check_streamed(streamed)
+            self._streamed = streamed
+        return self._streamed
+
+    def check_streamed(self, streamed) -> None:
+        """Raise a ``ValueError`` naming the setting if ``streamed`` was optimized with other settings."""

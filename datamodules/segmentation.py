@@ -60,7 +60,7 @@ from datamodules.images import (
     predict_images,
     read_rgb_array,
 )
-from datamodules.loaders import SplitLoaders, make_loader
+from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
 from datamodules.segmentation_transforms import IGNORE_INDEX, eval_transform, train_transform
 
 VOC_CLASSES = (
@@ -378,7 +378,7 @@ def read_ade20k_names(path: Path) -> list[str]:
     return names
 
 
-class SegmentationDataModule(SplitLoaders, LightningDataModule):
+class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
     """ADE20k or PASCAL VOC 2012 (or the embedded demo in the VOC layout).
 
     Args:
@@ -427,22 +427,11 @@ class SegmentationDataModule(SplitLoaders, LightningDataModule):
         self._class_names: list[str] | None = None
         self._streamed = None
 
-    @property
-    def streamed(self):
-        """The optimized dataset at ``streaming_root`` (:class:`datamodules.streaming.OptimizedDataset`),
-        or ``None``."""
-        if self.hparams.streaming_root is None:
-            return None
-        if self._streamed is None:
-            from datamodules.streaming import OptimizedDataset
-
-            streamed = OptimizedDataset(self.hparams.streaming_root, self.streaming_layout)
-            if streamed.data["dataset"] != self.hparams.dataset:
-                raise ValueError(f"data.streaming_root={streamed.root} holds a {streamed.data['dataset']!r} dataset, "
-                                 f"but data.dataset={self.hparams.dataset!r} (its label encoding): set "
-                                 f"--data.dataset {streamed.data['dataset']}")
-            self._streamed = streamed
-        return self._streamed
+    def check_streamed(self, streamed) -> None:
+        if streamed.data["dataset"] != self.hparams.dataset:
+            raise ValueError(f"data.streaming_root={streamed.root} holds a {streamed.data['dataset']!r} dataset, "
+                             f"but data.dataset={self.hparams.dataset!r} (its label encoding): set "
+                             f"--data.dataset {streamed.data['dataset']}")
 
     # -- what the model needs to know about the data ------------------------------------------------------
     @property

@@ -41,7 +41,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from datamodules.demo_text import demo_translation_root
-from datamodules.loaders import restart_position
+from datamodules.loaders import StreamedSource, restart_position
 from datamodules.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, joint_tokenizer
 
 log = logging.getLogger(__name__)
@@ -254,7 +254,7 @@ class TokenBatchSampler(Sampler[list[int]]):
 # ---------------------------------------------------------------------------------------------
 # the datamodule
 # ---------------------------------------------------------------------------------------------
-class TranslationDataModule(LightningDataModule):
+class TranslationDataModule(StreamedSource, LightningDataModule):
     """WMT-style parallel text with a joint sentencepiece vocabulary.
 
     Args:
@@ -326,25 +326,17 @@ class TranslationDataModule(LightningDataModule):
         self.datasets: dict[str, ParallelText] = {}
         self._streamed = None
 
-    @property
-    def streamed(self):
-        """The optimized dataset at ``streaming_root`` (:class:`datamodules.streaming.OptimizedDataset`),
-        or ``None``."""
-        if self.hparams.streaming_root is None or self.predict_path is not None:
-            return None
-        if self._streamed is None:
-            from datamodules.streaming import OptimizedDataset
+    def reads_streamed(self) -> bool:
+        return self.hparams.streaming_root is not None and self.predict_path is None
 
-            streamed = OptimizedDataset(self.hparams.streaming_root, self.streaming_layout)
-            wanted = {**self._vocabulary_settings(), "src_lang": self.src_lang, "tgt_lang": self.tgt_lang}
-            stored = {key: streamed.data[key] for key in wanted}
-            if stored != wanted:
-                differ = ", ".join(f"{key}={stored[key]!r} (data.{key}={wanted[key]!r})"
-                                   for key in wanted if stored[key] != wanted[key])
-                raise ValueError(f"data.streaming_root={streamed.root} was optimized with {differ}: convert it with "
-                                 "the training's --data flags (or its --config recipe)")
-            self._streamed = streamed
-        return self._streamed
+    def check_streamed(self, streamed) -> None:
+        wanted = {**self._vocabulary_settings(), "src_lang": self.src_lang, "tgt_lang": self.tgt_lang}
+        stored = {key: streamed.data[key] for key in wanted}
+        if stored != wanted:
+            differ = ", ".join(f"{key}={stored[key]!r} (data.{key}={wanted[key]!r})"
+                               for key in wanted if stored[key] != wanted[key])
+            raise ValueError(f"data.streaming_root={streamed.root} was optimized with {differ}: convert it with "
+                             "the training's --data flags (or its --config recipe)")
 
     # -- what the model needs to know, answered right after construction -----------------------
     @property
