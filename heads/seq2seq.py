@@ -23,8 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from layers.attention import KVCache, MultiHeadAttention
-from layers.feedforward import FeedForward
+from layers.attention import KVCache, MultiHeadAttention, explicit_attention, prefers_explicit_attention
+from layers.feedforward import FeedForward, fused_linear, linear
 from layers.transformer import Residual, TokenEmbedding, init_transformer_weights
 
 Tensor = torch.Tensor
@@ -36,14 +36,20 @@ def padding_bias(padding_mask: Tensor, dtype: torch.dtype) -> Tensor:
     return bias.masked_fill(padding_mask, float("-inf"))[:, None, None]
 
 
+#: positions the self-attention cache holds before it first grows: most sentences' outputs fit,
+#: and each growth copies the whole cache (at 16, growing to 64 cost 2 % of a 64-token beam search)
+INITIAL_CAPACITY = 64
+
+
 class DecoderCache:
     """Decoding state of a batch of N hypotheses.
 
-    - ``self_kv`` (N, L, 2, H, capacity, head_dim): layer l's self-attention keys at ``[:, l, 0]``
-      and values at ``[:, l, 1]`` for the ``steps`` positions decoded so far. Each step writes its
-      position in place; the buffer doubles when full. Positions sit next to each other per
-      (hypothesis, head), the layout attention reads fastest, and a hypothesis' whole state is
-      one block of rows, the layout :meth:`reorder` copies fastest.
+    - ``self_kv`` (L, 2, N, H, capacity, head_dim): layer l's self-attention keys at ``[l, 0]``
+      and values at ``[l, 1]`` for the ``steps`` positions decoded so far. Each step writes its
+      position in place; the buffer doubles when full. A layer's keys are one (N, H, steps,
+      head_dim) slice whose hypothesis and head axes merge, so attention reads them as one batch
+      of matrices without copying (hypothesis-major, the layout a reorder copies fastest, made
+      every step's attention copy its keys and values first).
     - ``cross_attn``: per layer, a static :class:`KVCache` with the keys/values of the memory
       (sentences, H, S, head_dim), projected at the first step.
     - ``memory_bias``: (sentences, 1, 1, S) attention bias of the memory's padding, or None.
@@ -62,13 +68,13 @@ class DecoderCache:
         n, new, _, heads, head_dim = kv.shape
         end = self.steps + new
         if self.self_kv is None or self.self_kv.shape[4] < end:
-            self._grow(max(end, 16 if self.self_kv is None else 2 * self.self_kv.shape[4]), kv)
-        self.self_kv[:, layer, :, :, self.steps:end] = kv.permute(0, 2, 3, 1, 4)
-        return self.self_kv[:, layer, 0, :, :end], self.self_kv[:, layer, 1, :, :end]
+            self._grow(max(end, INITIAL_CAPACITY if self.self_kv is None else 2 * self.self_kv.shape[4]), kv)
+        self.self_kv[layer, :, :, :, self.steps:end] = kv.permute(2, 0, 3, 1, 4)
+        return self.self_kv[layer, 0, :, :, :end], self.self_kv[layer, 1, :, :, :end]
 
     def _grow(self, capacity: int, kv: Tensor) -> None:
         n, _, _, heads, head_dim = kv.shape
-        buffer = kv.new_empty(n, self.num_layers, 2, heads, capacity, head_dim)
+        buffer = kv.new_empty(self.num_layers, 2, n, heads, capacity, head_dim)
         if self.self_kv is not None:
             buffer[..., : self.steps, :] = self.self_kv[..., : self.steps, :]
         self.self_kv = buffer
@@ -78,14 +84,14 @@ class DecoderCache:
         sentence's block of rows (as beam search's do): the memory's keys/values are per sentence."""
         if self.self_kv is None:
             return
-        if index.shape != (len(self.self_kv),):
-            raise ValueError(f"reorder needs one index per hypothesis, ({len(self.self_kv)},), "
-                             f"got {tuple(index.shape)}")
+        hypotheses = self.self_kv.shape[2]
+        if index.shape != (hypotheses,):
+            raise ValueError(f"reorder needs one index per hypothesis, ({hypotheses},), got {tuple(index.shape)}")
         # beams often continue themselves: copying only the rows that change moves fewer bytes
         moved = (index != torch.arange(len(index), device=index.device)).nonzero().squeeze(1)
         if len(moved):
             past = self.self_kv[..., : self.steps, :]
-            past.index_copy_(0, moved, past.index_select(0, index[moved]))
+            past.index_copy_(2, moved, past.index_select(2, index[moved]))
 
 
 class DecoderLayer(nn.Module):
@@ -121,14 +127,19 @@ class DecoderLayer(nn.Module):
         rather than the zoo's :class:`KVCache`, which concatenates a new tensor every step."""
         attn = self.self_attn
         n, new, dim = h.shape
-        q, kv = attn.qkv(h).view(n, new, 3, attn.num_heads, attn.head_dim).split([1, 2], dim=2)
+        q, kv = fused_linear(h, attn.qkv).view(n, new, 3, attn.num_heads, attn.head_dim).split([1, 2], dim=2)
         keys, values = cache.append(index, kv)
+        q = q.squeeze(2).transpose(1, 2)
+        dropout_p = attn.dropout if self.training else 0.0
         allowed = None
         if new > 1:  # causal among the new positions, which all see the cached ones
             allowed = torch.ones(new, keys.shape[2], dtype=torch.bool, device=h.device).tril(keys.shape[2] - new)
-        out = F.scaled_dot_product_attention(q.squeeze(2).transpose(1, 2), keys, values, attn_mask=allowed,
-                                             dropout_p=attn.dropout if self.training else 0.0)
-        return attn.proj(out.transpose(1, 2).reshape(n, new, dim))
+        if prefers_explicit_attention(q, new, keys.shape[2], dropout_p):
+            bias = None if allowed is None else torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
+            out = explicit_attention(q, keys, values, bias)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, dropout_p=dropout_p)
+        return fused_linear(out.transpose(1, 2).reshape(n, new, dim), attn.proj)
 
     def _cross_attention(self, h: Tensor, memory: Tensor | None, memory_bias: Tensor | None,
                          cache: KVCache | None) -> Tensor:
@@ -198,4 +209,4 @@ class TransformerDecoder(nn.Module):
             x = layer(x, memory, memory_bias, cache, i)
         if cache is not None:
             cache.steps += tgt.shape[1]
-        return F.linear(self.norm(x), self.output_weight)
+        return linear(self.norm(x), self.output_weight)

@@ -139,13 +139,20 @@ def test_decoder_is_causal_and_ignores_padded_memory():
     torch.testing.assert_close(dec(tgt, noisy, padding), logits)
 
 
-def test_cached_incremental_decoding_equals_the_full_pass():
+@pytest.mark.parametrize("inference", [False, True], ids=["autograd", "inference"])
+@pytest.mark.parametrize("capacity", [64, 2])
+def test_cached_incremental_decoding_equals_the_full_pass(inference, capacity, monkeypatch):
+    # inference: the explicit-attention and oneDNN paths; capacity 2: the cache grows twice
+    import heads.seq2seq
+
+    monkeypatch.setattr(heads.seq2seq, "INITIAL_CAPACITY", capacity)
     dec, memory, padding, tgt = encoded_pair()
     full = dec(tgt, memory, padding)
     cache = dec.new_cache()
-    steps = [dec(tgt[:, t : t + 1], memory, padding, cache) for t in range(6)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full)
-    assert cache.steps == 6 and cache.self_kv.shape[:3] == (len(tgt), dec.depth, 2)  # every layer's k and v
+    with torch.inference_mode(inference):
+        steps = [dec(tgt[:, t : t + 1], memory, padding, cache) for t in range(6)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.steps == 6 and cache.self_kv.shape[:3] == (dec.depth, 2, len(tgt))  # every layer's k and v
     # cross-attention keys/values were projected once, from the source length
     assert cache.cross_attn[0].key.shape[2] == 5 and cache.cross_attn[0].steps == 6
 
