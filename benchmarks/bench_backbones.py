@@ -271,6 +271,9 @@ def gemm_share_markdown(rows: list[dict]) -> str:
 
 
 def main() -> None:
+    from tasks.runtime import reuse_freed_memory
+
+    reuse_freed_memory()  # as the CLIs do; ours and the peer share this process, so both get it
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", default=None, help="label prefixes to run, e.g. mobilevitv2 vit-tiny (default: all)")
     parser.add_argument("--batch", type=int, default=8)

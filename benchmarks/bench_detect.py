@@ -268,6 +268,9 @@ def bench_eval(args) -> None:
 
 
 def main() -> None:
+    from tasks.runtime import reuse_freed_memory
+
+    reuse_freed_memory()  # as the CLIs do; ours and the peer share this process, so both get it
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["sizes", "train", "data", "eval"])
     parser.add_argument("--batch-size", type=int, default=8)

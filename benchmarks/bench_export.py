@@ -163,6 +163,9 @@ def markdown_row(row: dict) -> str:
 
 
 def main() -> None:
+    from tasks.runtime import reuse_freed_memory
+
+    reuse_freed_memory()  # as the CLIs do; ours and the peer share this process, so both get it
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=[*CLASSIFIERS, *DEMOS], choices=[*CLASSIFIERS, *DEMOS])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])

@@ -513,6 +513,9 @@ def run(args) -> None:
 
 
 def main(argv=None) -> None:
+    from tasks.runtime import reuse_freed_memory
+
+    reuse_freed_memory()  # as the CLIs do; ours and the peer share this process, so both get it
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pipelines", nargs="+", choices=list(PIPELINES), default=["imagenet", "coco", "ade20k", "wmt14"])
     parser.add_argument("--workers", nargs="+", type=int, default=[0, 1, 2], help="num_workers values to measure")

@@ -145,6 +145,9 @@ def speed_table(crop: int, batch: int, reps: int, num_classes: int) -> str:
 
 
 def main() -> None:
+    from tasks.runtime import reuse_freed_memory
+
+    reuse_freed_memory()  # as the CLIs do; ours and the peer share this process, so both get it
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["params", "speed"])
     parser.add_argument("--crop", type=int, default=512)

@@ -769,6 +769,9 @@ def plan(args) -> list[Run]:
 
 
 def main(argv=None) -> int:
+    from tasks.runtime import reuse_freed_memory
+
+    reuse_freed_memory()  # as the CLIs do; ours and the peer share this process, so both get it
     args = parse_args(argv)
     if args.check_env:
         return check_env()
