@@ -3,7 +3,7 @@
 Every promise the README states for all tasks has a cell per task here, so a task that drops
 one fails a named cell (``test_<promise>[<task>]``). Each cell runs the task's real CLI in a
 subprocess on its embedded demo data. Cells that take minutes (kill-and-resume of the dense
-tasks, 1-vs-2-process equality) carry the ``slow`` marker.
+tasks, 1-vs-2-process equality) and the bf16 cells but classification's carry the ``slow`` marker.
 """
 from __future__ import annotations
 
@@ -271,7 +271,8 @@ PRECISION_ARGS = {
 }
 
 
-@pytest.mark.parametrize("task", TASKS)
+# the dense tasks' and translation's cells (10-20 s each) run in the slow suite, to keep the default run under 10 min
+@pytest.mark.parametrize("task", [t if t == "classify" else pytest.param(t, marks=pytest.mark.slow) for t in TASKS])
 def test_bf16_mixed_fit_has_finite_decreasing_loss(task, run_cli, tmp_path):
     """A few bf16-mixed steps on one fixed batch: finite, decreasing losses (float32 islands keep
     softmax, the detection loss and scores stable)."""

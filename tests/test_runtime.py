@@ -8,7 +8,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# three training steps of a MobileViTv2-0.5 (batch 8, 128 px) after a warm-up step: the minor page
+# two training steps of a MobileViTv2-0.5 (batch 8, 128 px) after a warm-up step: the minor page
 # faults they cost
 PROBE = """
 import resource, torch
@@ -22,7 +22,7 @@ def step():
     model.forward_pooled(images).sum().backward()
 step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):
+for _ in range(2):
     step()
 print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
