@@ -41,6 +41,20 @@ def test_gmacs_of_vit_count_attention_on_cpu(size, paper_gmacs):
     assert gmacs == pytest.approx(paper_gmacs, abs=0.05)
 
 
+def test_training_flops_count_cpu_attention_backward():
+    # benchmarks/bench_backbones.py reports training's share of the GEMM rate from this count; the
+    # CPU flash kernel's backward recomputes the scores, so it runs 5 products of the forward's 2
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import layers.attention  # noqa: F401
+    q, k, v = (torch.randn(2, 3, 50, 16, requires_grad=True) for _ in range(3))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
+    one_product = 2 * 2 * 3 * 50 * 50 * 16
+    assert counter.get_total_flops() == (2 + 5) * one_product
+
+
 def test_flop_count_restores_training_mode():
     model = ClassificationTask(MobileViTv2(width=0.5), class_names=["a", "b"])
     model.train()
