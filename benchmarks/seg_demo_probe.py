@@ -18,6 +18,7 @@ centred and fills the input. ``--save`` keeps its backbone so ``dense --init`` c
     python benchmarks/seg_demo_probe.py dense --steps 1000 --output-stride 16 --head pspnet
     python benchmarks/seg_demo_probe.py crops --steps 300 --save /tmp/crops_backbone.pt
     python benchmarks/seg_demo_probe.py dense --steps 1000 --init /tmp/crops_backbone.pt
+    python benchmarks/seg_demo_probe.py dense --steps 4125 --eval-every 500 --backbone convmixer --dim 128 --kernel 9
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import yaml
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 from backbones import MobileViTv2  # noqa: E402
+from backbones.convmixer import ConvMixer  # noqa: E402
 from datamodules.segmentation import IGNORE_INDEX, SegmentationDataModule  # noqa: E402
 from heads.deeplabv3 import DeepLabV3  # noqa: E402
 from heads.pspnet import PSPNet  # noqa: E402
@@ -44,6 +46,8 @@ from tasks.segment import SegmentationMetric, SegmentationTask  # noqa: E402
 
 #: the demo recipe: the probe's defaults and everything it does not vary come from it
 RECIPE = yaml.safe_load(recipe_path("segment", "demo_deeplabv3_mobilevitv2.yaml").read_text())
+#: the default demo's backbone (ConvMixer on the MobileViTv2 recipe): ``--backbone convmixer``'s defaults
+CONVMIXER = yaml.safe_load(recipe_path("segment", "demo_deeplabv3_convmixer.yaml").read_text())["model"]["backbone"]
 
 
 def demo_data(args) -> SegmentationDataModule:
@@ -56,7 +60,9 @@ def recipe_optimizer(model: nn.Module, lr: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), **{**RECIPE["model"]["optimizer"]["init_args"], "lr": lr})
 
 
-def backbone(args) -> MobileViTv2:
+def backbone(args) -> nn.Module:
+    if args.backbone == "convmixer":
+        return ConvMixer(dim=args.dim, depth=args.depth, kernel_size=args.kernel, patch_size=8)
     model = MobileViTv2(width=args.width, output_stride=args.output_stride)
     if args.init:
         model.load_state_dict(torch.load(args.init))
@@ -178,6 +184,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     backbone_args, head_args = RECIPE["model"]["backbone"]["init_args"], RECIPE["model"]["head"]["init_args"]
+    parser.add_argument("--backbone", choices=["mobilevitv2", "convmixer"], default="mobilevitv2",
+                        help="dense mode: the MobileViTv2 demo's backbone or the default demo's ConvMixer (8 px patches)")
+    parser.add_argument("--dim", type=int, default=CONVMIXER["init_args"]["dim"], help="ConvMixer width")
+    parser.add_argument("--depth", type=int, default=CONVMIXER["init_args"]["depth"], help="ConvMixer depth")
+    parser.add_argument("--kernel", type=int, default=CONVMIXER["init_args"]["kernel_size"], help="ConvMixer kernel")
     parser.add_argument("--width", type=float, default=backbone_args["width"], help="MobileViTv2 width")
     parser.add_argument("--output-stride", type=int, default=backbone_args["output_stride"])
     parser.add_argument("--init", help="backbone state dict to start from (e.g. crops --save)")

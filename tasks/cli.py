@@ -423,7 +423,8 @@ def with_default_config(args: list[str], default: Path) -> list[str]:
     if not positions:
         for i, a in enumerate(args):
             if a in SUBCOMMANDS:
-                return args[: i + 1] + ["--config", str(default)] + args[i + 1:]
+                layers = [flag for layer in recipe_layers(str(default), None) for flag in ("--config", layer)]
+                return args[: i + 1] + layers + args[i + 1:]
         return args
     out, first = [], True
     for i, arg in enumerate(args):
@@ -457,7 +458,8 @@ def recipe_layers(value: str, default: Path | None, seen: tuple[Path, ...] = ())
     except yaml.YAMLError as err:
         raise ValueError(f"recipe {path} is not valid YAML: {err}") from None
     if not isinstance(content, dict) or "base" not in content:
-        under = [] if default is None or path.resolve() == Path(default).resolve() else [str(default)]
+        # the default recipe may itself be an override: stack its whole chain
+        under = [] if default is None or path.resolve() == Path(default).resolve() else recipe_layers(str(default), None)
         return under + [value]
     if path.resolve() in seen:
         raise ValueError(f"recipe {path} is its own base (base chain: {' -> '.join(map(str, seen))})")

@@ -31,10 +31,11 @@ settings for translation).
 
 Image size. MobileViT and MobileViTv2 graphs take any height and width that are multiples of
 :func:`size_multiple` (64 at output stride 32, 32 at 16, 16 at 8): there no block resizes its
-input, which is the branch the graph holds. ViT (position embeddings) and MLP-Mixer
-(token-mixing MLPs) take only the size they were built for; ConvMixer and the pyramids are
-exported at one size too (not checked at others), and so are detection graphs (the anchors are
-constants of the graph) and a size that is not such a multiple.
+input, which is the branch the graph holds. ConvMixer graphs take any multiple of its deepest
+stride (the patch size without a pyramid). Parity is checked at the export size and at one
+multiple above it. ViT (position embeddings) and MLP-Mixer (token-mixing MLPs) take only the
+size they were built for, and so do detection graphs (the anchors are constants of the graph)
+and a size that is not such a multiple.
 """
 from __future__ import annotations
 
@@ -93,9 +94,13 @@ def size_multiple(backbone: nn.Module) -> int | None:
 
     MobileViT v1/v2: no block resizes its input when the map at each block's stride splits into
     whole patches and the deepest stride divides the image (the graph holds the branch that
-    resizes nothing)."""
+    resizes nothing). ConvMixer: only convolutions and poolings, so any multiple of its deepest
+    output stride (its patch size, or the largest pyramid stride)."""
+    from backbones.convmixer import ConvMixer
     from backbones.mobilevit_common import StagedBackbone
 
+    if isinstance(backbone, ConvMixer):
+        return max(backbone.feature_channels)
     if isinstance(backbone, StagedBackbone):
         multiple = max(backbone.stage_strides)
         for stride, stage in zip(backbone.stage_strides, backbone.stages):

@@ -303,7 +303,7 @@ def main(args=None) -> None:
     from datamodules.segmentation import SegmentationDataModule
     from tasks.cli import SuiteCLI
 
-    SuiteCLI(SegmentationTask, SegmentationDataModule, task="segment", default_config="demo_deeplabv3_mobilevitv2.yaml",
+    SuiteCLI(SegmentationTask, SegmentationDataModule, task="segment", default_config="demo_deeplabv3_convmixer.yaml",
              monitor="val/miou", mode="max", args=args)
 
 

@@ -162,7 +162,7 @@ def test_segmentation_export_matches_pytorch_on_demo_test_images(checkpoint, cap
 
     ckpt = checkpoint("segment")
     out = export("segment", "--ckpt_path", str(ckpt), "--logits", "true", capsys=capsys)
-    assert "any multiples of 16" in out and "FAILED" not in out, out  # MobileViTv2 at output stride 8
+    assert "any multiples of 8" in out and "FAILED" not in out, out  # the demo ConvMixer: 8 px patches
     session = ort_session(ckpt.with_suffix(".onnx"))
     assert graph_shapes(session)["labels"] == ["batch", "height", "width"]
     model = SegmentationTask.load_from_checkpoint(ckpt, weights_only=True).eval()
@@ -234,3 +234,14 @@ def test_vit_exports_at_its_one_size_and_refuses_another(checkpoint, capsys):
     assert "input size fixed at 64x64 (ViT's position embeddings are built for one grid)" in out, out
     assert "FAILED" not in out
     assert graph_shapes(ort_session(ckpt.with_suffix(".onnx")))["images"] == ["batch", 3, 64, 64]
+
+
+def test_convmixer_graphs_take_any_multiple_of_their_deepest_stride():
+    """ConvMixer holds only convolutions and poolings: its graph's sides may be any multiple of the
+    patch size, or of the largest pyramid stride when it builds a pyramid (the slow segmentation check
+    runs such a graph, exported at 64 px, on the 128 px demo images)."""
+    from backbones.convmixer import ConvMixer
+    from tasks.export import size_multiple
+
+    assert size_multiple(ConvMixer(dim=16, depth=1, kernel_size=3, patch_size=8)) == 8
+    assert size_multiple(ConvMixer(dim=16, depth=1, kernel_size=3, patch_size=8, pyramid_strides=(8, 16, 32))) == 32

@@ -1,5 +1,7 @@
 """Recipes stack: a recipe names the one it overrides with ``base:``, an overlay given on its own
 stacks on the task's default recipe, and ``--print_config`` shows the resolved whole."""
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -60,3 +62,39 @@ def test_base_chains_expand_in_order_and_cycles_are_refused(tmp_path):
     (tmp_path / "e.yaml").write_text("base: missing.yaml\n")
     with pytest.raises(FileNotFoundError, match="names base: missing.yaml"):
         with_default_config(["fit", "--config", str(tmp_path / "e.yaml")], default)
+
+
+def test_a_default_recipe_that_names_a_base_is_expanded(tmp_path):
+    """The segmentation default is an overlay (ConvMixer on the MobileViTv2 demo recipe): with no
+    ``--config``, and under an overlay given alone, its whole base chain is stacked, never its ``base`` key."""
+    (tmp_path / "full.yaml").write_text("trainer: {max_epochs: 1}\ndata: {batch_size: 4}\n")
+    default = tmp_path / "default.yaml"
+    default.write_text("base: full.yaml\ntrainer: {max_epochs: 2}\n")
+    (tmp_path / "overlay.yaml").write_text("data: {batch_size: 8}\n")
+
+    def layers(args):  # each --config value is a recipe file or the YAML text of an overlay
+        values = [args[i + 1] for i, a in enumerate(args) if a == "--config"]
+        found = [yaml.safe_load(Path(v).read_text() if v.endswith(".yaml") else v) for v in values]
+        assert all("base" not in layer for layer in found), found
+        return found
+
+    alone = layers(with_default_config(["fit"], default))
+    assert alone == [{"trainer": {"max_epochs": 1}, "data": {"batch_size": 4}}, {"trainer": {"max_epochs": 2}}]
+    stacked = layers(with_default_config(["fit", "--config", str(tmp_path / "overlay.yaml")], default))
+    assert stacked == alone + [{"data": {"batch_size": 8}}]
+
+
+def test_segmentation_default_is_the_convmixer_demo_and_the_mobilevitv2_demo_stays_complete(capsys):
+    default = resolved("segment", capsys=capsys)
+    assert default["model"]["backbone"]["class_path"] == "backbones.convmixer.ConvMixer"
+    assert default["data"]["init_args"]["root"] is None  # the embedded digit scenes
+    mobilevit = resolved("segment", "--config", str(recipe_path("segment", "demo_deeplabv3_mobilevitv2.yaml")),
+                         capsys=capsys)
+    assert mobilevit["model"]["backbone"] == {
+        "class_path": "backbones.MobileViTv2",
+        "init_args": {**mobilevit["model"]["backbone"]["init_args"], "width": 0.5, "output_stride": 8}}
+    assert "dim" not in mobilevit["model"]["backbone"]["init_args"]  # nothing of ConvMixer's leaks in
+    # the two demos differ in their backbone only
+    for config in (default, mobilevit):
+        config["model"].pop("backbone")
+    assert default == mobilevit
