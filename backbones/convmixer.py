@@ -24,7 +24,7 @@ import torch.nn as nn
 from backbones.pyramid import SingleScaleBackbone
 from backbones.registry import register_backbone
 from backbones.weights import StateDict, register_converter, rename_keys
-from layers.conv import activation_layer
+from layers.conv import DepthwiseConv2d, activation_layer
 
 #: ``ConvMixer(**PRESETS[name])`` builds the paper's models
 PRESETS: dict[str, dict] = {
@@ -38,7 +38,7 @@ class ConvMixerBlock(nn.Module):
 
     def __init__(self, dim: int, kernel_size: int, act_layer: type[nn.Module] = nn.GELU):
         super().__init__()
-        self.depthwise = nn.Conv2d(dim, dim, kernel_size, groups=dim, padding="same")
+        self.depthwise = DepthwiseConv2d(dim, kernel_size)
         self.act1 = act_layer()
         self.norm1 = nn.BatchNorm2d(dim)
         self.pointwise = nn.Conv2d(dim, dim, kernel_size=1)
@@ -52,7 +52,7 @@ class ConvMixerBlock(nn.Module):
 
 @register_backbone("convmixer")
 class ConvMixer(SingleScaleBackbone):
-    """ConvMixer-``dim``/``depth`` with any kernel and patch size.
+    """ConvMixer-``dim``/``depth`` with any odd kernel size and any patch size.
 
     ``forward``: (B, in_chans, H, W) -> ``{patch_size: (B, dim, H/p, W/p)}``, or the
     :class:`~backbones.pyramid.SimpleFeaturePyramid` maps when ``pyramid_strides`` is

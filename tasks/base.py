@@ -167,6 +167,20 @@ class TaskModule(LightningModule):
         scheduler = self.scheduler(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Lightning's mixed-precision plugin refuses to clip for a fused optimizer (the demo recipes'
+        Adam/AdamW), which unscales fp16 gradients inside its step. Under bf16 there is no scaler and
+        nothing to unscale, so clip exactly as in full precision; fp16 keeps Lightning's error."""
+        from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+        from lightning.pytorch.utilities import GradClipAlgorithmType
+
+        plugin = self.trainer.precision_plugin
+        if gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val,
+                                     GradClipAlgorithmType(gradient_clip_algorithm or "norm"))
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def on_train_start(self) -> None:
         # Filled here, not in configure_optimizers: estimated_stepping_batches builds the train
         # loader, which must happen after a checkpoint restored the loop position (exact resume).

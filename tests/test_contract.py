@@ -292,6 +292,33 @@ def test_bf16_mixed_fit_has_finite_decreasing_loss(task, run_cli, tmp_path):
     assert sum(losses[-3:]) < 0.95 * sum(losses[:3]), losses
 
 
+def test_bf16_clips_the_gradients_of_a_fused_optimizer():
+    """The demo recipes' optimizers are fused; Lightning refuses to clip for those under any mixed
+    precision. Under bf16 (no grad scaler) the task clips them as in full precision; a grad scaler
+    (fp16) still refuses, since a fused step unscales only inside itself."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from backbones import MobileViTv2
+    from tasks.classify import ClassificationTask
+
+    task = ClassificationTask(MobileViTv2(width=0.25), class_names=["a", "b", "c"])
+    optimizer = torch.optim.AdamW(task.parameters(), fused=True)
+    for p in task.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    task.trainer = Trainer(precision="bf16-mixed", accelerator="cpu", logger=False)
+    task.configure_gradient_clipping(optimizer, 0.5, "norm")
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in task.parameters()]))
+    assert total == pytest.approx(0.5, rel=1e-4)
+    task.configure_gradient_clipping(optimizer, 0.01, "value")
+    assert all(p.grad.abs().max() <= 0.01 for p in task.parameters())
+
+    fp16 = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    task.trainer = Trainer(plugins=[fp16], accelerator="cpu", logger=False)
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        task.configure_gradient_clipping(optimizer, 0.5, "norm")
+
+
 # -- checkpoint files and resume requests that cannot work (shared CLI: one task is enough) -------------
 def test_bad_checkpoint_files_are_named(fitted, tmp_path):
     from tasks.classify import ClassificationTask

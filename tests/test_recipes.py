@@ -94,7 +94,10 @@ def test_segmentation_default_is_the_convmixer_demo_and_the_mobilevitv2_demo_sta
         "class_path": "backbones.MobileViTv2",
         "init_args": {**mobilevit["model"]["backbone"]["init_args"], "width": 0.5, "output_stride": 8}}
     assert "dim" not in mobilevit["model"]["backbone"]["init_args"]  # nothing of ConvMixer's leaks in
-    # the two demos differ in their backbone only
+    # the two demos differ in their backbone and schedule only
+    assert (default["trainer"]["max_epochs"], mobilevit["trainer"]["max_epochs"]) == (28, 33)
     for config in (default, mobilevit):
         config["model"].pop("backbone")
+        for key in ("max_epochs", "check_val_every_n_epoch"):
+            config["trainer"].pop(key)
     assert default == mobilevit
