@@ -62,8 +62,10 @@ def recipe_optimizer(model: nn.Module, lr: float) -> torch.optim.AdamW:
 
 def backbone(args) -> nn.Module:
     if args.backbone == "convmixer":
-        return ConvMixer(dim=args.dim, depth=args.depth, kernel_size=args.kernel, patch_size=8)
-    model = MobileViTv2(width=args.width, output_stride=args.output_stride)
+        model = ConvMixer(dim=args.dim, depth=args.depth, kernel_size=args.kernel,
+                          patch_size=CONVMIXER["init_args"]["patch_size"])
+    else:
+        model = MobileViTv2(width=args.width, output_stride=args.output_stride)
     if args.init:
         model.load_state_dict(torch.load(args.init))
     return model
