@@ -56,11 +56,13 @@ class MixerBlock(nn.Module):
         self.drop_path = StochasticDepth(drop_path, mode="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the token MLP's output is (B, D, N): one add turns it back into a contiguous (B, N, D) stream
+        # (riding the add on its Linear would copy the transposed residual in, and the norm and
+        # the channel MLP would each copy the transposed result out again)
+        x = x + self.drop_path(self.mlp_tokens(self.norm1(x).transpose(1, 2)).transpose(1, 2))
         if self.training:
-            x = x + self.drop_path(self.mlp_tokens(self.norm1(x).transpose(1, 2)).transpose(1, 2))
             return x + self.drop_path(self.mlp_channels(self.norm2(x)))
-        # eval: no dropout, so the residual adds ride on the second Linears (FeedForward's residual)
-        x = self.mlp_tokens(self.norm1(x).transpose(1, 2), residual=x.transpose(1, 2)).transpose(1, 2)
+        # eval: no dropout, so the channel MLP's residual add rides on its second Linear
         return self.mlp_channels(self.norm2(x), residual=x)
 
 

@@ -30,6 +30,20 @@ same share is reported for training: training img/s x the counted FLOPs of one t
 step (forward, loss, backward) per image / GEMM FLOP/s.
 
     nice -n 19 python benchmarks/bench_backbones.py --gemm-share --inference-only --batch 8 --reps 5 --threads 2
+
+The ceiling set by the GEMMs (``--gemm-bound``): the share of our model's time spent in
+matrix-multiply kernels (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``, oneDNN's fused linear,
+and 1x1 single-group convolutions, forward and backward; profiler self time over the same
+call's wall time) in one training step, one inference batch and one batch-1 forward, applied
+to the interleaved best time. ``timm's time / our GEMM time`` is the ratio ours would reach if
+everything outside those kernels (norms, activations, other convolutions, copies, autograd)
+took no time at all, and inside the fused attention kernel (SDPA) nothing but its two
+products, which are charged at the machine's GEMM rate (their counted FLOPs / the reference
+matmul's rate; so ``--gemm-bound`` implies ``--gemm-share``). Where this ceiling is below a
+goal, the goal needs faster GEMMs than this machine runs, not a better implementation of
+the model. The profiler's own overhead counts as non-GEMM time, so the ceiling errs high.
+
+    python benchmarks/bench_backbones.py --models vit mixer --gemm-bound --batch 4 --reps 3 --threads 2
 """
 from __future__ import annotations
 
@@ -117,6 +131,58 @@ def matmul_flops(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> floa
     return 2 * a.shape[0] ** 3 / timed(lambda: a @ b, device)
 
 
+#: profiler names of the matrix-multiply kernels (prefixes: oneDNN's linear has overloads)
+GEMM_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
+#: convolution kernels -> index of (input, weight) among their recorded input shapes
+CONV_KERNELS = {"aten::mkldnn_convolution": (0, 1), "aten::convolution_backward": (1, 2)}
+
+
+def is_gemm(event) -> bool:
+    """Whether a profiler event (grouped by input shapes) is a GEMM: a matmul kernel, or a
+    convolution (forward or backward) with a 1x1 kernel and one group, which is a GEMM over pixels."""
+    if event.key.startswith(GEMM_KERNELS):
+        return True
+    if event.key not in CONV_KERNELS:
+        return False
+    x_at, w_at = CONV_KERNELS[event.key]
+    shapes = event.input_shapes
+    if len(shapes) <= w_at or len(shapes[w_at]) != 4 or len(shapes[x_at]) != 4:
+        return False
+    weight, x = shapes[w_at], shapes[x_at]
+    return weight[2:] == [1, 1] and weight[1] == x[1]
+
+
+def gemm_fraction(fn, reps: int) -> tuple[float, float]:
+    """(seconds in GEMM kernels, wall seconds) of one profiled call of ``fn``: the least
+    disturbed of ``reps`` (shortest wall time). Both come from the same call, so the fraction
+    holds however fast the shared machine runs at that moment."""
+    from torch.profiler import ProfilerActivity, profile
+
+    best = (math.nan, math.inf)
+    for _ in range(reps):
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            start = time.perf_counter()
+            fn()
+            wall = time.perf_counter() - start
+        kernel_us = sum(e.self_cpu_time_total for e in prof.key_averages(group_by_input_shape=True) if is_gemm(e))
+        if wall < best[1]:
+            best = (kernel_us / 1e6, wall)
+    return best
+
+
+def attention_flops(fn) -> int:
+    """FLOPs of the fused attention kernels (SDPA forward and backward) in one call of ``fn``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import layers.attention  # noqa: F401  (teaches the counter the CPU attention kernels)
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return sum(flops for op, flops in counter.get_flop_counts()["Global"].items()
+               if "scaled_dot_product" in str(op))
+
+
 def compare(
     twin: tuple,
     batch: int,
@@ -125,8 +191,10 @@ def compare(
     img_size: int | None,
     train: bool = True,
     gemm_size: int = 0,
+    gemm_bound: bool = False,
 ) -> dict:
-    """Ours vs timm for one twin; with ``gemm_size`` also each one's share of the GEMM throughput."""
+    """Ours vs timm for one twin; with ``gemm_size`` also each one's share of the GEMM throughput,
+    with ``gemm_bound`` the time our model spends in GEMMs (see the module docstring)."""
     size = img_size or twin[4]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, size, size, generator=gen).to(device)
@@ -175,6 +243,24 @@ def compare(
                 result[f"{k}_train_gflop_per_image"] = train_step_flops(m, x, y) / batch / 1e9
                 achieved = result[f"{k}_train_ips"] * result[f"{k}_train_gflop_per_image"]
                 result[f"{k}_train_gemm_share"] = achieved / result["gemm_gflops"]
+    if gemm_bound:
+        ours = models["ours"]
+        runs = {"infer": lambda: ours(x), "latency": lambda: ours(x1)}
+        if train:
+            runs["train"] = lambda: train_step(ours, opts["ours"], x, y)
+        for mode, fn in runs.items():
+            ours.train(mode == "train")
+            with torch.inference_mode(mode != "train"):
+                gemm_s, wall_s = gemm_fraction(fn, reps)
+                attention_s = attention_flops(fn) / max(gemm_rates)
+            ours_ms, timm_ms = (1e3 * min(times[k][mode]) for k in ("ours", "timm"))
+            # GEMM and attention shares of our step, scaled to its interleaved best time
+            result[f"ours_{mode}_gemm_ms"] = ours_ms * gemm_s / wall_s
+            result[f"ours_{mode}_attention_ms"] = ours_ms * attention_s / wall_s
+            result[f"ours_{mode}_ms"], result[f"timm_{mode}_ms"] = ours_ms, timm_ms
+            result[f"{mode}_ceiling"] = timm_ms / (result[f"ours_{mode}_gemm_ms"] + result[f"ours_{mode}_attention_ms"])
+            result[f"timm_{mode}_ms"] = timm_ms
+            result[f"ours_{mode}_ms"] = 1e3 * min(times["ours"][mode])
     result["train_ratio"] = result["ours_train_ips"] / result["timm_train_ips"]
     result["infer_ratio"] = result["ours_infer_ips"] / result["timm_infer_ips"]
     result["latency_ratio"] = result["timm_latency_ms"] / result["ours_latency_ms"]
@@ -269,12 +355,13 @@ def peak_memory(index: int, batch: int, device: str, img_size: int | None) -> di
     return out
 
 
+def table(columns: list[str], lines: list[str]) -> str:
+    """A markdown table: a header of ``columns``, then ``lines`` (each already '| a | b |')."""
+    return "\n".join(["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns), *lines])
+
+
 def markdown(rows: list[dict]) -> str:
-    lines = [
-        "| model (timm twin) | input | train img/s ours / timm (ratio) | infer img/s ours / timm (ratio) "
-        "| latency b=1 ms ours / timm (ratio) | train-step peak MB ours / timm |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
+    lines = []
     for r in rows:
         mem = f"{r['ours_mem_mb']:.0f} / {r['timm_mem_mb']:.0f}" if "ours_mem_mb" in r else "-"
         train = (f"{r['ours_train_ips']:.1f} / {r['timm_train_ips']:.1f} ({r['train_ratio']:.2f})"
@@ -284,16 +371,12 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['ours_infer_ips']:.1f} / {r['timm_infer_ips']:.1f} ({r['infer_ratio']:.2f}) "
             f"| {r['ours_latency_ms']:.1f} / {r['timm_latency_ms']:.1f} ({r['latency_ratio']:.2f}) | {mem} |"
         )
-    return "\n".join(lines)
+    return table(["model (timm twin)", "input", "train img/s ours / timm (ratio)", "infer img/s ours / timm (ratio)",
+                  "latency b=1 ms ours / timm (ratio)", "train-step peak MB ours / timm"], lines)
 
 
 def gemm_share_markdown(rows: list[dict]) -> str:
-    lines = [
-        "| model (timm twin) | input | GFLOP / image ours / timm | infer img/s ours / timm "
-        "| GEMM GFLOP/s (same run) | share of GEMM throughput ours / timm | training: GFLOP / image "
-        "ours / timm, share ours / timm |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    lines = []
     for r in rows:
         train = (f"{r['ours_train_gflop_per_image']:.1f} / {r['timm_train_gflop_per_image']:.1f}, "
                  f"{100 * r['ours_train_gemm_share']:.0f} % / {100 * r['timm_train_gemm_share']:.0f} %"
@@ -304,7 +387,23 @@ def gemm_share_markdown(rows: list[dict]) -> str:
             f"| {r['ours_infer_ips']:.1f} / {r['timm_infer_ips']:.1f} | {r['gemm_gflops']:.0f} "
             f"| {100 * r['ours_gemm_share']:.0f} % / {100 * r['timm_gemm_share']:.0f} % | {train} |"
         )
-    return "\n".join(lines)
+    return table(["model (timm twin)", "input", "GFLOP / image ours / timm", "infer img/s ours / timm",
+                  "GEMM GFLOP/s (same run)", "share of GEMM throughput ours / timm",
+                  "training: GFLOP / image ours / timm, share ours / timm"], lines)
+
+
+def gemm_bound_markdown(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        cells = [
+            (f"{r[f'ours_{mode}_ms']:.1f} / {r[f'timm_{mode}_ms']:.1f} / {r[f'ours_{mode}_gemm_ms']:.1f} + "
+             f"{r[f'ours_{mode}_attention_ms']:.1f} (**{r[f'{mode}_ceiling']:.2f}x**)") if f"{mode}_ceiling" in r else "-"
+            for mode in ("train", "infer", "latency")
+        ]
+        lines.append(f"| {r['model']} ({r['timm']}) | {r['batch']}x{r['size']}² | " + " | ".join(cells) + " |")
+    return table(["model (timm twin)", "input",
+                  "training step ms: ours / timm / our GEMMs + attention products (ceiling)",
+                  "inference batch ms: same", "batch-1 ms: same"], lines)
 
 
 def main() -> None:
@@ -322,6 +421,8 @@ def main() -> None:
     parser.add_argument("--inference-only", action="store_true", help="skip the training measurement")
     parser.add_argument("--gemm-share", action="store_true", help="also report each model's share of the GEMM rate")
     parser.add_argument("--gemm-size", type=int, default=2048, help="side of the square matmul that sets the GEMM rate")
+    parser.add_argument("--gemm-bound", action="store_true",
+                        help="also profile the time our model spends in GEMMs, and the ratio that allows")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table (and .json) here")
     parser.add_argument("--probe", nargs=2, metavar=("WHICH", "INDEX"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -341,7 +442,8 @@ def main() -> None:
             print(f"skip {twin[0]}: backbone {twin[1]!r} is not registered", file=sys.stderr)
             continue
         row = compare(twin, args.batch, args.reps, device, args.img_size, train=not args.inference_only,
-                      gemm_size=args.gemm_size if args.gemm_share else 0)
+                      gemm_size=args.gemm_size if args.gemm_share or args.gemm_bound else 0,
+                      gemm_bound=args.gemm_bound)
         if args.memory:
             mem = peak_memory(index, args.batch, args.device, args.img_size)
             row["ours_mem_mb"], row["timm_mem_mb"] = mem["ours"], mem["timm"]
@@ -350,14 +452,18 @@ def main() -> None:
             f"{row['model']:>18}: train x{row['train_ratio']:.2f}  infer x{row['infer_ratio']:.2f}  "
             f"latency x{row['latency_ratio']:.2f}" + (f"  mem {mem['ours']:.0f}/{mem['timm']:.0f} MB" if args.memory else "")
             + (f"  GEMM share {100 * row['ours_gemm_share']:.0f}%/{100 * row['timm_gemm_share']:.0f}%"
-               if args.gemm_share else "")
+               if args.gemm_share or args.gemm_bound else "")
             + (f" (training {100 * row['ours_train_gemm_share']:.0f}%/{100 * row['timm_train_gemm_share']:.0f}%)"
-               if "ours_train_gemm_share" in row else ""),
+               if "ours_train_gemm_share" in row else "")
+            + (f"  ceiling x{row.get('train_ceiling', float('nan')):.2f}/x{row['infer_ceiling']:.2f}"
+               f"/x{row['latency_ceiling']:.2f}" if args.gemm_bound else ""),
             flush=True,
         )
     table = markdown(rows)
-    if args.gemm_share:
+    if args.gemm_share or args.gemm_bound:
         table += "\n\n" + gemm_share_markdown(rows)
+    if args.gemm_bound:
+        table += "\n\n" + gemm_bound_markdown(rows)
     header = f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, batch {args.batch}, reps {args.reps}"
     print(f"\n{header}\n\n{table}")
     if args.out:

@@ -6,9 +6,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from backbones import create_backbone
+from layers.conv import ACTIVATIONS, ConvNormAct
 from layers.feedforward import ONEDNN_LINEAR, fused_linear, onednn_inference
 
 needs_onednn = pytest.mark.skipif(not ONEDNN_LINEAR, reason="torch built without oneDNN")
@@ -83,3 +85,34 @@ def test_autograd_and_flop_counting_see_the_plain_ops():
             model.forward_pooled(x)
         counts.append(counter.get_total_flops())
     assert counts[0] == counts[1] > 0
+
+
+class OpLog(TorchDispatchMode):
+    """Records the name of every aten op that runs under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("act, inplace_op", [("silu", "silu_"), ("relu", "relu_")])
+def test_conv_norm_act_runs_its_activation_in_place_only_where_autograd_keeps_no_copy(act, inplace_op):
+    block = ConvNormAct(4, 6, kernel_size=3, act=act)
+    reference = nn.Sequential(block.conv, block.bn, ACTIVATIONS[act]())  # same parameters, plain ops
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    with OpLog() as training:
+        out = block(x)
+    expected = reference(x)
+    torch.testing.assert_close(out, expected)
+    grads = torch.autograd.grad(out.square().sum(), (x, block.conv.weight))
+    torch.testing.assert_close(grads, torch.autograd.grad(expected.square().sum(), (x, block.conv.weight)))
+    assert "clone" not in training.ops and "copy_" not in training.ops  # SiLU in place would clone its input
+    assert (inplace_op in training.ops) == (act == "relu")  # ReLU's gradient reads its output: in place is free
+    block.eval()
+    with torch.inference_mode(), OpLog() as inference:
+        block(x.detach())
+    assert inplace_op in inference.ops
