@@ -259,8 +259,6 @@ def compare(
             result[f"ours_{mode}_attention_ms"] = ours_ms * attention_s / wall_s
             result[f"ours_{mode}_ms"], result[f"timm_{mode}_ms"] = ours_ms, timm_ms
             result[f"{mode}_ceiling"] = timm_ms / (result[f"ours_{mode}_gemm_ms"] + result[f"ours_{mode}_attention_ms"])
-            result[f"timm_{mode}_ms"] = timm_ms
-            result[f"ours_{mode}_ms"] = 1e3 * min(times["ours"][mode])
     result["train_ratio"] = result["ours_train_ips"] / result["timm_train_ips"]
     result["infer_ratio"] = result["ours_infer_ips"] / result["timm_infer_ips"]
     result["latency_ratio"] = result["timm_latency_ms"] / result["ours_latency_ms"]
@@ -355,7 +353,7 @@ def peak_memory(index: int, batch: int, device: str, img_size: int | None) -> di
     return out
 
 
-def table(columns: list[str], lines: list[str]) -> str:
+def markdown_table(columns: list[str], lines: list[str]) -> str:
     """A markdown table: a header of ``columns``, then ``lines`` (each already '| a | b |')."""
     return "\n".join(["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns), *lines])
 
@@ -371,7 +369,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['ours_infer_ips']:.1f} / {r['timm_infer_ips']:.1f} ({r['infer_ratio']:.2f}) "
             f"| {r['ours_latency_ms']:.1f} / {r['timm_latency_ms']:.1f} ({r['latency_ratio']:.2f}) | {mem} |"
         )
-    return table(["model (timm twin)", "input", "train img/s ours / timm (ratio)", "infer img/s ours / timm (ratio)",
+    return markdown_table(["model (timm twin)", "input", "train img/s ours / timm (ratio)", "infer img/s ours / timm (ratio)",
                   "latency b=1 ms ours / timm (ratio)", "train-step peak MB ours / timm"], lines)
 
 
@@ -387,7 +385,7 @@ def gemm_share_markdown(rows: list[dict]) -> str:
             f"| {r['ours_infer_ips']:.1f} / {r['timm_infer_ips']:.1f} | {r['gemm_gflops']:.0f} "
             f"| {100 * r['ours_gemm_share']:.0f} % / {100 * r['timm_gemm_share']:.0f} % | {train} |"
         )
-    return table(["model (timm twin)", "input", "GFLOP / image ours / timm", "infer img/s ours / timm",
+    return markdown_table(["model (timm twin)", "input", "GFLOP / image ours / timm", "infer img/s ours / timm",
                   "GEMM GFLOP/s (same run)", "share of GEMM throughput ours / timm",
                   "training: GFLOP / image ours / timm, share ours / timm"], lines)
 
@@ -401,7 +399,7 @@ def gemm_bound_markdown(rows: list[dict]) -> str:
             for mode in ("train", "infer", "latency")
         ]
         lines.append(f"| {r['model']} ({r['timm']}) | {r['batch']}x{r['size']}² | " + " | ".join(cells) + " |")
-    return table(["model (timm twin)", "input",
+    return markdown_table(["model (timm twin)", "input",
                   "training step ms: ours / timm / our GEMMs + attention products (ceiling)",
                   "inference batch ms: same", "batch-1 ms: same"], lines)
 
