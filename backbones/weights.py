@@ -83,7 +83,13 @@ def read_state_dict(path: str | Path) -> StateDict:
     (``model``/``state_dict_ema``-less ``state_dict``) and DDP (``module.``) wrappers."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        raise FileNotFoundError(
+            f"checkpoint not found: {path}. Nothing is downloaded at run time. A paper recipe names the checkpoint "
+            "it starts from (model.weights for a whole classifier, model.backbone.init_args.pretrained for a "
+            "backbone): make it by training the recipe its header names (the EMA checkpoint it writes, "
+            "runs/<task>/checkpoints/best-*.ckpt), or download a released CVNets (.pt) or timm checkpoint of the "
+            "same architecture yourself (both are converted on load); then put it at that path or pass the "
+            "option with its path, or null to start from random weights.")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # weights_only refuses pickled objects other than tensors/containers

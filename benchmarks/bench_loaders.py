@@ -221,7 +221,7 @@ class Pipeline:
 
 
 PIPELINES = {
-    "imagenet": Pipeline("configs/classify/imagenet_mobilevitv2_100.yaml", ImageFolderDataModule, (500, 375),
+    "imagenet": Pipeline("configs/classify/imagenet_mobilevitv2_200.yaml", ImageFolderDataModule, (500, 375),
                          lambda recipe: ImageFolderDataModule().root, build_imagefolder),
     "coco": Pipeline("configs/detect/coco_ssdlite_mobilevitv2_100.yaml", CocoDataModule, (640, 480),
                      lambda recipe: CocoDataModule().root, build_coco),

@@ -174,7 +174,7 @@ RECIPES: list[Recipe] = [
     Recipe("classify", "paper", "configs/classify/imagenet_mobilevitv2_100.yaml", "MobileViTv2-1.0",
            "timm mobilevitv2_100", batch=128, size=256,
            arch=dict(width=1.0, num_classes=1000, dropout=0.0, timm="mobilevitv2_100"),
-           optimizer=(ADAMW, dict(lr=0.002, betas=(0.9, 0.999), weight_decay=0.05)), clip=10.0,
+           optimizer=(ADAMW, dict(lr=0.0075, betas=(0.9, 0.999), weight_decay=0.013)), clip=10.0,
            label_smoothing=0.1, channels_last=True, paper_v100=2351,
            check={"data.image_size": 256, "data.batch_size": 128, "model.backbone.init_args.width": 1.0}),
     Recipe("detect", "demo", "configs/detect/demo_ssdlite_mobilevitv2.yaml", "SSDLite-MobileViTv2-0.5",

@@ -91,7 +91,7 @@ def test_imagenet_recipe_augmentation_runs_with_bicubic_crops():
     from datamodules.imagefolder import train_transform
     from tests.conftest import REPO
 
-    data = yaml.safe_load((REPO / "configs/classify/imagenet_mobilevitv2_100.yaml").read_text())["data"]
+    data = yaml.safe_load((REPO / "configs/classify/imagenet_mobilevitv2_200.yaml").read_text())["data"]
     assert data["interpolation"] == "bicubic" and data["rand_augment"]
     transform = train_transform(64, tuple(data["scale"]), data["hflip"], True, 9, data["random_erasing"],
                                 data["mean"], data["std"], data["interpolation"])
