@@ -22,6 +22,11 @@ marks object boundaries.
 Inside the pipeline every dataset is "labels 0..K-1, 255 ignored". What ``test``
 writes goes back to the dataset's own encoding (:class:`MaskFormat`).
 
+Training augmentation (``augmentation``): ``"default"`` is :func:`datamodules.segmentation_transforms.train_transform`
+(albumentations, the demo recipes' pipeline); ``"cvnets"`` is CVNets' MobileViTv2 pipeline,
+:class:`datamodules.segmentation_cvnets.CvnetsTrainTransform`. VOC training can add COCO's images with
+masks rasterised to VOC's classes (``coco_root``, :mod:`datamodules.coco_voc`), as CVNets' VOC rows do.
+
 Images are read by :func:`datamodules.images.read_rgb_array` (one decoder for every vision
 datamodule, 16-bit PNGs scaled, errors naming the file). Batches are dicts:
 
@@ -46,7 +51,7 @@ import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset
 
 from datamodules.demo import demo_root
 from datamodules.images import (
@@ -61,6 +66,7 @@ from datamodules.images import (
     read_rgb_array,
 )
 from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
+from datamodules.segmentation_cvnets import CvnetsTrainTransform
 from datamodules.segmentation_transforms import IGNORE_INDEX, eval_transform, train_transform
 
 VOC_CLASSES = (
@@ -385,8 +391,27 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         root: the ``ADEChallengeData2016`` or ``VOC2012`` folder; ``None`` builds and uses the demo.
         dataset: ``"ade20k"`` or ``"voc"`` (the layout and label encoding of ``root``).
         aug_masks: VOC only: train on ``train_aug.txt`` with ``SegmentationClassAug`` masks (SBD).
-        crop_size: training crop side; scale_range: random short side = ``crop_size`` x this range.
-        hflip, photometric, blur, rotate_p: probabilities; rotate_degrees: rotation range (+-).
+        augmentation: the training pipeline: ``"default"`` (albumentations: short side ``crop_size`` x
+            ``scale_range``, crop padded at a random position, flip, colour jitter, blur, rotation) or
+            ``"cvnets"`` (CVNets' MobileViTv2 pipeline, :mod:`datamodules.segmentation_cvnets`).
+        crop_size: training crop side (both pipelines).
+        scale_range: ``"default"`` only: random short side = ``crop_size`` x this range.
+        short_side_range, max_image_side: ``"cvnets"`` only: random short side in these integers (both
+            ends included), the scale capped so the long side stays <= ``max_image_side``.
+        seg_class_max_ratio: ``"cvnets"`` only: the crop is re-drawn (10 checks) while one class covers
+            this share or more of it; VOC leaves its ignore label out of the count, ADE20k counts every
+            pixel, "other" and padding included, as CVNets does (its ADE20k masks hold no 255).
+        hflip, photometric, blur, rotate_p: probabilities; ``None`` (blur, rotate_p) takes the pipeline's
+            own value: 0.2 and 0.5 for ``"default"``, 0.5 and 1.0 (rotation always) for ``"cvnets"``.
+            In ``"cvnets"``, ``photometric`` is the probability of each of torchvision's
+            ``RandomPhotometricDistort`` steps, as in CVNets.
+        rotate_degrees: rotation range (+-). Padding and rotation fill masks with the ignore label.
+        coco_root: VOC only: also train on COCO images with their instances rasterised to VOC's classes
+            (:mod:`datamodules.coco_voc`), appended to the VOC training list as CVNets does; the folder is
+            in the COCO layout (``annotations/instances_<split>.json``, ``<split>/``).
+        coco_splits: the COCO splits to add (CVNets: ``train2017``).
+        coco_min_pixels: keep COCO images with more than this many VOC-class pixels (CVNets'
+            preprocessing: 1000); ``None`` keeps every image.
         eval_short_side: evaluation resizes the image's short side to this (``None``: native size);
             logits are upsampled back and scored at the original size.
         mean, std: normalisation (MobileViT/CVNets checkpoints expect 0/1, i.e. none).
@@ -401,13 +426,28 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
             is not read (:mod:`datamodules.streaming`). ``path`` is then relative to the dataset's root.
 
     Batches: see the module docstring.
+
+    The MobileViTv2 paper's rows (CVNets ``config/segmentation/{pascal_voc,ade20k}/*_mobilevitv2.yaml``)
+    train with ``augmentation: cvnets`` and the defaults of ``crop_size`` (512), ``short_side_range``
+    ([256, 768]), ``max_image_side`` (1024), ``seg_class_max_ratio`` (0.75), ``hflip`` / ``photometric``
+    (0.5), ``blur`` / ``rotate_p`` (``None``: 0.5 / 1.0) and ``rotate_degrees`` (10), with
+    ``mean: [0, 0, 0]`` and ``std: [1, 1, 1]`` (CVNets feeds pixels / 255). A recipe must set:
+
+    - VOC: ``dataset: voc``, ``aug_masks: true`` (train_aug), ``coco_root`` (the COCO 2017 folder), and
+      keep ``coco_splits: [train2017]``, ``coco_min_pixels: 1000``; ``batch_size: 32`` per device
+      (CVNets: 32 x 4 GPUs);
+    - ADE20k: ``dataset: ade20k``, no ``coco_root``; ``batch_size: 4`` per device (CVNets: 4 x 4 GPUs).
     """
 
     streaming_task, streaming_layout = "segment", "segmentation"
 
     def __init__(self, root: str | None = None, dataset: Literal["ade20k", "voc"] = "voc", aug_masks: bool = False,
-                 crop_size: int = 512, scale_range: tuple[float, float] = (0.5, 2.0), hflip: float = 0.5,
-                 photometric: float = 0.5, blur: float = 0.2, rotate_degrees: float = 10.0, rotate_p: float = 0.5,
+                 augmentation: Literal["default", "cvnets"] = "default", crop_size: int = 512,
+                 scale_range: tuple[float, float] = (0.5, 2.0), short_side_range: tuple[int, int] = (256, 768),
+                 max_image_side: int = 1024, seg_class_max_ratio: float = 0.75, hflip: float = 0.5,
+                 photometric: float = 0.5, blur: float | None = None, rotate_degrees: float = 10.0,
+                 rotate_p: float | None = None, coco_root: str | None = None,
+                 coco_splits: tuple[str, ...] = ("train2017",), coco_min_pixels: int | None = 1000,
                  eval_short_side: int | None = 512, mean: tuple[float, float, float] = IMAGENET_MEAN,
                  std: tuple[float, float, float] = IMAGENET_STD, batch_size: int = 16, num_workers: int = 4,
                  pin_memory: bool = True, persistent_workers: bool = True,
@@ -422,6 +462,13 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
             raise ValueError("the embedded demo is in the VOC layout: use dataset='voc' or give data.root")
         if on_bad_image not in ("fail", "skip"):
             raise ValueError(f"on_bad_image must be 'fail' or 'skip', got {on_bad_image!r}")
+        if augmentation not in ("default", "cvnets"):
+            raise ValueError(f"augmentation must be 'default' or 'cvnets', got {augmentation!r}")
+        if coco_root is not None and dataset != "voc":
+            raise ValueError(f"coco_root adds COCO images with VOC's classes: it needs dataset='voc', got {dataset!r}")
+        if coco_root is not None and streaming_root is not None:
+            raise ValueError("coco_root is read from its folder; it cannot be mixed into a streamed dataset "
+                             "(streaming_root)")
         self.save_hyperparameters()
         self._root = Path(root).expanduser() if root else None
         self._class_names: list[str] | None = None
@@ -519,15 +566,44 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         return self.streamed.split(self.split_name("test" if stage == "predict" else stage), item,
                                    train=stage == "train")
 
-    def _dataset(self, stage: str) -> SegmentationDataset:
+    def train_transform(self):
+        """The joint training transform of ``augmentation`` (called as ``transform(image=, mask=)``)."""
+        h = self.hparams
+        if h.augmentation == "cvnets":
+            # CVNets' crop ignores 255 in the class ratio; its ADE20k masks hold no 255 ("other" is 0), so
+            # there every pixel counts: our "other" and padding (both 255 after decoding) included
+            ratio_ignore = IGNORE_INDEX if h.dataset == "voc" else None
+            return CvnetsTrainTransform(h.crop_size, h.short_side_range, h.max_image_side, h.seg_class_max_ratio,
+                                        h.hflip, 0.5 if h.blur is None else h.blur, photometric=h.photometric,
+                                        rotate_degrees=h.rotate_degrees,
+                                        rotate_p=1.0 if h.rotate_p is None else h.rotate_p, mean=h.mean, std=h.std,
+                                        mask_fill=IGNORE_INDEX, ratio_ignore_index=ratio_ignore)
+        return train_transform(h.crop_size, h.scale_range, h.hflip, h.photometric, 0.2 if h.blur is None else h.blur,
+                               h.rotate_degrees, 0.5 if h.rotate_p is None else h.rotate_p, h.mean, h.std, IGNORE_INDEX)
+
+    def _train_set(self, transform) -> Dataset:
+        """The training split; with ``coco_root``, VOC's items first and each COCO split's after them (CVNets
+        appends COCO's list to VOC's), so VOC items keep their indices."""
+        h = self.hparams
+        voc = SegmentationDataset(self._split_samples("train"), self.mask_format, transform, "train", h.on_bad_image)
+        if h.coco_root is None:
+            return voc
+        from datamodules.coco_voc import CocoVocSegmentation
+
+        if self.class_names != list(VOC_CLASSES):
+            raise ValueError(f"coco_root maps COCO to VOC's 21 classes, but data.root={self.root} has the classes "
+                             f"{self.class_names}")
+        coco = [CocoVocSegmentation(Path(h.coco_root).expanduser(), split, transform, h.coco_min_pixels,
+                                    h.on_bad_image) for split in h.coco_splits]
+        return ConcatDataset([voc, *coco])
+
+    def _dataset(self, stage: str) -> Dataset:
         h = self.hparams
         if stage == "train":
-            transform = train_transform(h.crop_size, h.scale_range, h.hflip, h.photometric, h.blur, h.rotate_degrees,
-                                        h.rotate_p, h.mean, h.std, IGNORE_INDEX)
+            transform = self.train_transform()
             if self.streamed is not None:
                 return self._streamed_dataset(stage, transform)
-            return SegmentationDataset(self._split_samples("train"), self.mask_format, transform, "train",
-                                       h.on_bad_image)
+            return self._train_set(transform)
         transform = eval_transform(h.eval_short_side, h.mean, h.std)
         if self.streamed is not None and not (stage == "predict" and h.predict_path):
             return self._streamed_dataset(stage, transform)
