@@ -182,6 +182,8 @@ def test_voc_training_split_appends_coco_and_keeps_voc_items(tmp_path, tiny_coco
     assert set(coco_item["mask"].unique().tolist()) <= {0, VOC_CLASSES.index("person"), VOC_CLASSES.index("dog"),
                                                        VOC_CLASSES.index("car"), IGNORE_INDEX}
     assert len(mixed.val_set) == 3  # validation stays VOC's
+    batch = next(iter(mixed.train_dataloader()))  # the loader's seeded sampler reads the mixed set
+    assert batch["image"].shape == (5, 3, 32, 32) and batch["skipped"] == 0
 
 
 def test_coco_root_needs_voc(tmp_path):
