@@ -10,13 +10,15 @@ runs over sentences. With ``use_cache=True`` a step feeds only the newest token 
 decoder appends its keys/values to the cache; with ``use_cache=False`` it recomputes the
 whole prefix (the reference the cached path must match).
 
-Beam search (as fairseq's, with the GNMT length penalty of Wu et al. 2016):
+Beam search (as fairseq's; the length penalty GNMT's of Wu et al. 2016 or fairseq's ``--lenpen``):
 - each step, every live beam is extended by every token; of the best ``2K`` candidates
   per sentence, those ending in eos *within the top K* become finished hypotheses, and
   the best ``K`` not ending in eos stay live;
-- finished hypotheses are scored ``log p(y|x) / lp(y)``, ``lp(y) = ((5 + |y|) / 6) ** alpha``
-  (|y| counts eos), and kept, the best ``K`` per sentence, until the sentence has ``K``
-  of them; the search ends when every sentence has;
+- finished hypotheses are scored ``log p(y|x) / lp(y)`` and kept, the best ``K`` per sentence,
+  until the sentence has ``K`` of them; the search ends when every sentence has. ``lp`` is
+  ``((5 + |y|) / 6) ** alpha`` (``length_penalty_form="gnmt"``, what the Transformer paper cites
+  for its alpha = 0.6) or ``|y| ** alpha`` (``"fairseq"``: ``SequenceGenerator.finalize_hypos``
+  divides by ``(step + 1) ** len_penalty``); in both |y| counts eos;
 - a sentence's output is at most ``max_len`` tokens (eos included): at the last step only
   eos is allowed, so every beam ends;
 - pad and bos are never generated.
@@ -50,7 +52,17 @@ def max_output_lengths(src_lengths: Tensor, a: float = 1.2, b: int = 10, limit: 
 
 
 def gnmt_length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
+    """Wu et al. 2016, eq. 14: ``((5 + |y|) / 6) ** alpha``."""
     return ((5.0 + length) / 6.0) ** alpha
+
+
+def fairseq_length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
+    """fairseq's ``--lenpen alpha``: ``|y| ** alpha``."""
+    return (1.0 * length) ** alpha
+
+
+#: ``length_penalty_form`` -> ``lp(|y|, alpha)``, the divisor of a finished hypothesis' log-probability
+LENGTH_PENALTIES = {"gnmt": gnmt_length_penalty, "fairseq": fairseq_length_penalty}
 
 
 class _Stepper:
@@ -128,11 +140,15 @@ def greedy_search(decoder, memory: Tensor, memory_padding_mask: Tensor | None, m
 
 @torch.no_grad()
 def beam_search(decoder, memory: Tensor, memory_padding_mask: Tensor | None, max_len: Tensor, *,
-                beam_size: int = 4, alpha: float = 0.6, bos_id: int, eos_id: int, pad_id: int,
-                min_len: int = 1, use_cache: bool = True) -> Hypotheses:
+                beam_size: int = 4, alpha: float = 0.6, length_penalty_form: str = "gnmt", bos_id: int,
+                eos_id: int, pad_id: int, min_len: int = 1, use_cache: bool = True) -> Hypotheses:
     """Batched beam search (see the module docstring). memory (B, S, D) from the encoder,
     memory_padding_mask (B, S) True = pad, max_len (B,) output tokens per sentence,
+    ``alpha`` and ``length_penalty_form`` (a key of :data:`LENGTH_PENALTIES`): the length penalty,
     ``min_len``: no eos before that many tokens (unless ``max_len`` is shorter)."""
+    if length_penalty_form not in LENGTH_PENALTIES:
+        raise ValueError(f"length_penalty_form={length_penalty_form!r}: expected one of {sorted(LENGTH_PENALTIES)}")
+    length_penalty = LENGTH_PENALTIES[length_penalty_form]
     b, k, device = memory.shape[0], beam_size, memory.device
     step = _Stepper(decoder, memory, memory_padding_mask, use_cache)
     rules = _TokenRules(max_len, min_len, bos_id, eos_id, pad_id)
@@ -163,7 +179,7 @@ def beam_search(decoder, memory: Tensor, memory_padding_mask: Tensor | None, max
             new_fin = is_eos[:, :k] & ~done[:, None] & cand_scores[:, :k].isfinite()
             if new_fin.any():
                 new_raw = cand_scores[:, :k].masked_fill(~new_fin, neg_inf)
-                new_norm = new_raw / gnmt_length_penalty(t + 1, alpha)
+                new_norm = new_raw / length_penalty(t + 1, alpha)  # t + 1 tokens, eos included
                 prefix = tokens[:, 1:].view(b, k, t).gather(1, cand_beam[:, :k, None].expand(b, k, t))
                 new_tokens = torch.full((b, k, longest), pad_id, dtype=torch.long, device=device)
                 new_tokens[:, :, :t] = prefix

@@ -1,13 +1,14 @@
 """Greedy and beam search: beam 1 is greedy, the cache changes nothing, padding changes
 nothing, and on a tiny vocabulary beam search finds the exhaustive optimum."""
 import itertools
+import math
 
 import pytest
 import torch
 import torch.nn as nn
 
 from backbones.transformer import TransformerEncoder
-from heads.decoding import beam_search, gnmt_length_penalty, greedy_search, max_output_lengths
+from heads.decoding import LENGTH_PENALTIES, beam_search, greedy_search, max_output_lengths
 from heads.seq2seq import TransformerDecoder
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
@@ -51,11 +52,13 @@ def test_beam_size_one_is_greedy(model, alpha):
     torch.testing.assert_close(greedy.scores, beam.scores)
 
 
-@pytest.mark.parametrize("search", ["greedy", "beam"])
+@pytest.mark.parametrize("search", ["greedy", "beam", "beam-fairseq-penalty"])
 def test_cached_decoding_equals_recomputing_the_prefix(model, search):
     memory, padding, max_len = encode(model, source_batch([5, 2, 8, 3]))
+    form = "fairseq" if search.endswith("fairseq-penalty") else "gnmt"
     run = (lambda **kw: greedy_search(model[1], memory, padding, max_len, **IDS, **kw)) if search == "greedy" else \
-        (lambda **kw: beam_search(model[1], memory, padding, max_len, beam_size=4, alpha=0.6, **IDS, **kw))
+        (lambda **kw: beam_search(model[1], memory, padding, max_len, beam_size=4, alpha=0.6,
+                                  length_penalty_form=form, **IDS, **kw))
     cached, full = run(use_cache=True), run(use_cache=False)
     assert torch.equal(cached.tokens, full.tokens)
     torch.testing.assert_close(cached.scores, full.scores)
@@ -112,8 +115,9 @@ class MarkovDecoder(nn.Module):
         return self.table[positions[None, :], tgt]  # (B, T, V)
 
 
+@pytest.mark.parametrize("form", sorted(LENGTH_PENALTIES))
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
-def test_wide_beam_finds_the_exhaustive_best_length_normalised_hypothesis(alpha):
+def test_wide_beam_finds_the_exhaustive_best_length_normalised_hypothesis(alpha, form):
     vocab, max_len = 6, 4
     decoder = MarkovDecoder(vocab, max_len + 1)
     memory = torch.zeros(1, 1, 1)
@@ -127,12 +131,14 @@ def test_wide_beam_finds_the_exhaustive_best_length_normalised_hypothesis(alpha)
             for t, tok in enumerate(seq):
                 score += log_probs[t, prev, tok].item()
                 prev = tok
-            norm = score / gnmt_length_penalty(len(seq), alpha)
+            # written out here, not taken from heads.decoding: GNMT's eq. 14, fairseq's |y| ** lenpen
+            penalty = ((5 + len(seq)) / 6) ** alpha if form == "gnmt" else len(seq) ** alpha
+            norm = score / penalty
             if norm > best:
                 best, best_tokens = norm, seq
     # 2K >= every candidate and K >= every live prefix: nothing is pruned
     out = beam_search(decoder, memory, None, torch.tensor([max_len]), beam_size=len(allowed) ** max_len, alpha=alpha,
-                      **IDS)
+                      length_penalty_form=form, **IDS)
     assert out.tokens[0][out.tokens[0] != PAD].tolist() == best_tokens
     assert out.normalized.item() == pytest.approx(best)
 
@@ -201,3 +207,73 @@ def test_reordered_cache_continues_the_chosen_hypotheses(model):
     torch.testing.assert_close(step[:, 0], dec(reordered, memory, padding)[:, 5])
     with pytest.raises(ValueError, match="one index per hypothesis"):
         cache.reorder(index[:4])
+
+
+A, B = 4, 5  # the two content tokens of the hand-made decoder below (UNK = 1 is never likely)
+
+
+class TableDecoder(nn.Module):
+    """Next-token probabilities given by hand per (position, previous token); rows not listed are uniform."""
+
+    def __init__(self, vocab: int, rows: dict[tuple[int, int], dict[int, float]]):
+        super().__init__()
+        self.vocab, self.rows = vocab, rows
+
+    def new_cache(self):
+        return MarkovDecoder.Cache()
+
+    def forward(self, tgt, memory, memory_padding_mask=None, cache=None):
+        offset = 0 if cache is None else cache.steps
+        if cache is not None:
+            cache.steps += tgt.shape[1]
+        probs = torch.full((*tgt.shape, self.vocab), 1.0 / self.vocab, dtype=torch.float64)
+        for i, row in enumerate(tgt.tolist()):
+            for j, prev in enumerate(row):
+                if (offset + j, prev) in self.rows:
+                    probs[i, j] = 0.0
+                    for token, p in self.rows[offset + j, prev].items():
+                        probs[i, j, token] = p
+        return probs.log()  # already normalised: log_softmax leaves it unchanged
+
+
+def test_length_penalty_form_decides_between_a_short_and_a_long_hypothesis():
+    """Beam 2, at most 4 tokens. By hand (log-probabilities):
+    step 0: A -1.0, B -0.5; step 1: B B -0.7, A eos -2.0 (finished, |y| = 2), A A -2.05, ... (the
+    eos is within the top 2, so it finishes; B B and A A stay live); step 2: B B B -0.805,
+    A A A -2.155 (no eos in the top 2); step 3 (the last: eos only): B B B eos -2.7, A A A eos -4.05.
+    Finished: [A eos] -2.0, [B B B eos] -2.7, [A A A eos] -4.05. With alpha 0.6:
+    GNMT ((5 + |y|) / 6) ** 0.6:  -2.0 / 1.0969 = -1.823 beats -2.7 / 1.2754 = -2.117;
+    fairseq |y| ** 0.6:           -2.7 / 2.2974 = -1.175 beats -2.0 / 1.5157 = -1.320."""
+    e = math.exp
+    rows = {
+        (0, BOS): {A: e(-1.0), B: e(-0.5), EOS: 1 - e(-1.0) - e(-0.5)},
+        (1, A): {EOS: e(-1.0), A: e(-1.05), B: 1 - e(-1.0) - e(-1.05)},
+        (1, B): {B: e(-0.2), EOS: 0.05, A: 1 - e(-0.2) - 0.05},
+        (2, B): {B: 0.9, EOS: 0.06, A: 0.04},
+        (2, A): {A: 0.9, EOS: 0.06, B: 0.04},
+        (3, B): {EOS: e(-1.895), B: 1 - e(-1.895)},
+        (3, A): {EOS: e(-1.895), A: 1 - e(-1.895)},
+    }
+    decoder = TableDecoder(6, rows)
+    memory, max_len = torch.zeros(1, 1, 1), torch.tensor([4])
+    picks = {}
+    for form in ("gnmt", "fairseq"):
+        for use_cache in (True, False):
+            out = beam_search(decoder, memory, None, max_len, beam_size=2, alpha=0.6, length_penalty_form=form,
+                              use_cache=use_cache, **IDS)
+            tokens = out.tokens[0][out.tokens[0] != PAD].tolist()
+            picks[form, use_cache] = tokens, out.scores.item(), out.normalized.item()
+    gnmt_tokens, gnmt_score, gnmt_norm = picks["gnmt", True]
+    fairseq_tokens, fairseq_score, fairseq_norm = picks["fairseq", True]
+    assert gnmt_tokens == [A, EOS] and gnmt_score == pytest.approx(-2.0)
+    assert gnmt_norm == pytest.approx(-2.0 / (7 / 6) ** 0.6)
+    assert fairseq_tokens == [B, B, B, EOS] and fairseq_score == pytest.approx(-0.5 - 0.2 + math.log(0.9) - 1.895)
+    assert fairseq_norm == pytest.approx(fairseq_score / 4 ** 0.6)
+    for form in ("gnmt", "fairseq"):  # the cache changes nothing
+        assert picks[form, False][0] == picks[form, True][0]
+        assert picks[form, False][1:] == pytest.approx(picks[form, True][1:])
+
+
+def test_an_unknown_length_penalty_form_is_refused():
+    with pytest.raises(ValueError, match=r"length_penalty_form='wu'.*'fairseq', 'gnmt'"):
+        beam_search(MarkovDecoder(6, 3), torch.zeros(1, 1, 1), None, torch.tensor([2]), length_penalty_form="wu", **IDS)

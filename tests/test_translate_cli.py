@@ -8,6 +8,7 @@ import torch
 import yaml
 
 from tests.conftest import REPO
+from tests.test_bleu_tok_compound import by_hand
 
 TINY = ["--model.dim", "32", "--model.encoder_depth", "1", "--model.decoder_depth", "1", "--model.num_heads", "2",
         "--model.ffn_dim", "64", "--model.max_len_b", "4", "--model.beam_size", "2", "--data.vocab_size", "500",
@@ -64,12 +65,44 @@ def test_test_writes_hypotheses_in_source_order_and_the_scores_they_get(fitted, 
     refs = (data / "test.de").read_text(encoding="utf-8").splitlines()
     assert len(hyps) == len(refs)  # one line per source line
     metrics = json.loads((predictions / "metrics.json").read_text())
-    assert set(metrics) == {"test/bleu", "test/chrf", "test/chrf++", "test/loss", "test/ppl", "params", "gflops", "gmacs"}
+    assert set(metrics) == {"test/bleu", "test/bleu_tok_compound", "test/chrf", "test/chrf++", "test/loss", "test/ppl",
+                            "params", "gflops", "gmacs"}
     # the numbers are sacreBLEU's on exactly these lines, against the raw references in file order
     assert metrics["test/bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
+    # and the paper's tokenized compound-split BLEU, computed independently (Moses, ##AT##, multi-bleu)
+    assert metrics["test/bleu_tok_compound"] == pytest.approx(by_hand(hyps, refs), abs=1e-6)
     assert metrics["test/chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score)
     check_sentence_scores(predictions, hyps, refs, (data / "test.en").read_text(encoding="utf-8").splitlines())
     assert metrics["test/chrf++"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs], word_order=2).score)
+
+
+@pytest.mark.slow  # ~40 s: a second `test` run
+def test_test_reports_the_papers_tokenized_compound_split_bleu(fitted, demo_cache, tmp_path):
+    """metrics.json's ``test/bleu_tok_compound`` on references close to what the model says (a 4-step
+    model scores 0 on the real ones, which would not tell a right number from a wrong one): the
+    demo corpus with 40 test lines whose German references are the model's own translations, some
+    with hyphenated compounds, scored as a computation written in the tests scores them."""
+    import shutil
+
+    from tasks.translate import TranslationTask
+
+    _, _, last, _ = fitted
+    data = tmp_path / "data"
+    shutil.copytree(next(demo_cache.glob("translate-en-de-v*")), data)  # train.* and its sentencepiece model
+    sources = (data / "test.en").read_text(encoding="utf-8").splitlines()[:40]
+    model = TranslationTask.load_from_checkpoint(last, weights_only=True).eval()
+    own = model.tokenizer.decode(model.translate(model.encode_sources(sources)).tokens.tolist())
+    refs = [f"{line} Nord-Süd-Konflikt" if i % 3 == 0 else line.replace(" ", "-", 1) if i % 3 == 1 else line
+            for i, line in enumerate(own)]
+    (data / "test.en").write_text("".join(line + "\n" for line in sources), encoding="utf-8")
+    (data / "test.de").write_text("".join(line + "\n" for line in refs), encoding="utf-8")
+    run_in(tmp_path, "test", *TINY, "--ckpt_path", str(last), "--data.root", str(data))
+    predictions = tmp_path / "runs" / "translate" / "predictions"
+    hyps = (predictions / "hypotheses.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    metrics = json.loads((predictions / "metrics.json").read_text())
+    assert metrics["test/bleu_tok_compound"] == pytest.approx(by_hand(hyps, refs), abs=1e-6)
+    assert metrics["test/bleu_tok_compound"] > 10
+    assert metrics["test/bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
 
 
 def check_sentence_scores(predictions: Path, hyps: list[str], refs: list[str], sources: list[str]) -> None:
