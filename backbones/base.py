@@ -9,11 +9,37 @@ is built from ``feature_channels`` alone and plugs into any backbone.
 reference architecture's classifier consumes (global average pool for convnets
 and MobileViT, the class token for ViT, the token mean for MLP-Mixer), so the
 classification path reproduces the reference exactly.
+
+Multi-stage backbones (MobileViT v1/v2) also describe their stages, as timm's
+``feature_info`` does: ``stage_info`` lists each stage's ``index`` (1..5 for
+CVNets' ``layer_1`` .. ``layer_5``), its output ``stride`` after dilation and its
+``channels``. With dilation (output stride 8 or 16) several stages share a
+stride, so ``forward``'s dict keeps only the deepest of them;
+``forward_stages(x, stages)`` returns that same dict together with the maps of
+the chosen stages, from one pass (the segmentation auxiliary head reads stage 4
+that way, where CVNets puts it). Single-scale backbones (ViT, ConvMixer,
+MLP-Mixer) have no numbered stages: asking them for one is an error naming them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
 import torch
 import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """One stage of a multi-stage backbone (timm's ``feature_info`` entry)."""
+
+    #: 1-based position in the trunk: stage ``i`` is CVNets' ``layer_i`` (timm's feature index ``i - 1``)
+    index: int
+    #: output stride of the stage's map, after dilation (stages past the output stride share it)
+    stride: int
+    channels: int
+    #: the submodule whose output is the map, e.g. ``"stages.3"``
+    module: str
 
 
 class Backbone(nn.Module):
@@ -23,9 +49,40 @@ class Backbone(nn.Module):
     num_features: int
     #: channels the input must have
     in_chans: int = 3
+    #: the numbered stages, shallow to deep; empty for single-scale backbones
+    stage_info: tuple[StageInfo, ...] = ()
 
     def forward(self, x: torch.Tensor) -> dict[int, torch.Tensor]:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    @property
+    def stage_channels(self) -> dict[int, int]:
+        """Stage index -> channels of its map (empty for single-scale backbones)."""
+        return {stage.index: stage.channels for stage in self.stage_info}
+
+    def forward_stages(
+        self, x: torch.Tensor, stages: Sequence[int] = ()
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """(B, in_chans, H, W) -> (``forward(x)``'s ``{stride: map}``, ``{stage index: map}`` of
+        ``stages``), in one pass. Multi-stage backbones override it; here only ``stages=()`` works."""
+        self.check_stages(stages)
+        return self(x), {}
+
+    def check_stages(self, stages: Sequence[int]) -> None:
+        """Fail, naming this backbone and the stages it has, when one of ``stages`` is not among them."""
+        known = {stage.index for stage in self.stage_info}
+        unknown = [index for index in stages if index not in known]
+        if not unknown:
+            return
+        name = type(self).__name__
+        if not known:
+            raise ValueError(
+                f"{name} has no numbered stages (it gives feature maps by stride only: "
+                f"{sorted(self.feature_channels)}), so it cannot give stage {unknown[0]}; read a map by stride instead "
+                f"(segmentation heads: aux_stride instead of aux_stage)"
+            )
+        described = ", ".join(f"{s.index} (stride {s.stride}, {s.channels} channels)" for s in self.stage_info)
+        raise ValueError(f"{name} has no stage {unknown[0]}; its stages are {described}")
 
     def forward_pooled(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> (B, num_features): global average of the deepest map."""

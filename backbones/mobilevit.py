@@ -105,7 +105,9 @@ class MobileViT(StagedBackbone):
 
     ``forward(x)``: (B, in_chans, H, W) -> ``{2, 4, 8, 16, 32: stage outputs}``
     (``feature_channels``); ``output_stride`` 16 or 8 dilates the later stages
-    instead of downsampling, the dict then stops at ``output_stride`` (deepest map).
+    instead of downsampling, the dict then stops at ``output_stride`` (deepest map);
+    ``stage_info`` / ``forward_stages`` give every stage's map by index (1..5), as
+    in :class:`~backbones.mobilevitv2.MobileViTv2`.
     ``forward_pooled(x)``: the 1x1 expansion conv on the deepest map, globally
     averaged: (B, num_features), the classifier's input as in the reference.
     ``attention``: any variant of ``layers.attention`` (paper: "mha", 4 heads).

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchvision.ops import StochasticDepth
 
-from backbones.base import Backbone
+from backbones.base import Backbone, StageInfo
 from backbones.weights import StateDict, register_converter, rename_keys
 from layers.conv import ConvNormAct
 
@@ -101,8 +101,9 @@ class Stage:
 
 class StagedBackbone(Backbone):
     """A stem and a list of stages; the output of each stage is the feature map at
-    its stride (``stage_strides``). Subclasses build ``stem`` and ``num_features``
-    and call :meth:`_build_stages` for the rest."""
+    its stride (``stage_strides``), and stage ``i`` (1-based, ``stage_info``) is
+    CVNets' ``layer_i``. Subclasses build ``stem`` and ``num_features`` and call
+    :meth:`_build_stages` for the rest."""
 
     stem: nn.Module
     stages: nn.ModuleList
@@ -118,7 +119,7 @@ class StagedBackbone(Backbone):
         vit_block: Callable[..., nn.Module],
         **block_kwargs,
     ) -> int:
-        """Build ``stages``, ``stage_strides`` and ``feature_channels`` from the stem's
+        """Build ``stages``, ``stage_strides``, ``stage_info`` and ``feature_channels`` from the stem's
         ``in_chs`` channels; return the channels of the last stage.
 
         Stages past ``output_stride`` are dilated (:func:`dilated_stage_plan`). The
@@ -147,18 +148,32 @@ class StagedBackbone(Backbone):
                 rates = rates[stage.depth :]
             self.stages.append(nn.Sequential(*blocks))
             self.feature_channels[total] = stage.channels  # a dilated stage overwrites its stride's entry
+        self.stage_info = tuple(
+            StageInfo(index, total, stage.channels, f"stages.{index - 1}")
+            for index, (stage, total) in enumerate(zip(stages, self.stage_strides), start=1)
+        )
         return in_chs
 
     def forward(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
+        return self.forward_stages(x)[0]
+
+    def forward_stages(
+        self, x: torch.Tensor, stages: Sequence[int] = ()
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """(B, in_chans, H, W) -> (``{stride: deepest map at that stride}``, ``{stage index: its map}``
+        for each of ``stages``), from one pass through the trunk."""
         self.check_input(x)
+        self.check_stages(stages)
         # channels-last once, here: every convolution then runs its channels-last
         # kernel and the transformers' (B, H, W, C) views of the maps are free
         x = self.stem(x.contiguous(memory_format=torch.channels_last))
-        features = {}
-        for stride, stage in zip(self.stage_strides, self.stages):
+        features, stage_maps = {}, {}
+        for info, stage in zip(self.stage_info, self.stages):
             x = stage(x)
-            features[stride] = x
-        return features
+            features[info.stride] = x
+            if info.index in stages:
+                stage_maps[info.index] = x
+        return features, stage_maps
 
 
 # --------------------------------------------------------------------------- checkpoint key mappings

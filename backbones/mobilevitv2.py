@@ -111,6 +111,10 @@ class MobileViTv2(StagedBackbone):
     ``output_stride`` 16 or 8 the stages beyond it keep the resolution and dilate
     their depthwise convolutions instead (as CVNets does for segmentation); the
     dict then stops at ``output_stride``, whose entry is the deepest map.
+    ``stage_info`` describes stages 1..5 (CVNets' ``layer_1`` .. ``layer_5``: index,
+    stride after dilation, channels) and ``forward_stages(x, [4])`` returns the dict
+    together with stage 4's map, e.g. at output stride 8 the stride-8 map of stage 4
+    that the dict's stride-8 entry (stage 5) hides.
 
     ``forward_pooled(x)``: (B, num_features) global average of the last map, the
     input of the paper's linear classifier. ``pretrained``: a checkpoint path

@@ -79,15 +79,19 @@ class DeepLabV3(SegmentationHead):
         atrous_rates: dilations of the three 3x3 branches; see :data:`ATROUS_RATES`.
         separable: depthwise-separable dilated convs instead of dense ones.
         dropout: dropout after the ASPP projection.
-        in_stride, aux, aux_stride, aux_dropout: see :class:`~heads.seg_common.SegmentationHead`.
+        in_stride, aux, aux_stage, aux_stride, aux_dropout, stage_channels: see
+            :class:`~heads.seg_common.SegmentationHead` (``stage_channels`` comes from the task).
 
-    ``forward``: ``{stride: (B, C_s, H/s, W/s)}`` -> ``{"out": (B, num_classes, H/in_stride, W/in_stride)}``.
+    ``forward(features, stages=None)``: ``{stride: (B, C_s, H/s, W/s)}`` -> ``{"out": (B, num_classes,
+    H/in_stride, W/in_stride)}`` (+ ``"aux"`` while training with ``aux=True``).
     """
 
     def __init__(self, feature_channels: dict[int, int], num_classes: int, channels: int = 256,
                  atrous_rates: Sequence[int] = (6, 12, 18), separable: bool = False, dropout: float = 0.1,
-                 in_stride: int | None = None, aux: bool = False, aux_stride: int = 16, aux_dropout: float = 0.1):
-        super().__init__(feature_channels, num_classes, in_stride, aux, aux_stride, aux_dropout)
+                 in_stride: int | None = None, aux: bool = False, aux_stage: int | None = None,
+                 aux_stride: int | None = None, aux_dropout: float = 0.1, stage_channels: dict[int, int] | None = None):
+        super().__init__(feature_channels, num_classes, in_stride, aux, aux_stage, aux_stride, aux_dropout,
+                         stage_channels)
         if len(atrous_rates) != 3:
             raise ValueError(f"DeepLabv3 uses three atrous rates, got {list(atrous_rates)}")
         self.decoder = ASPP(self.in_channels, channels, atrous_rates, separable, dropout)

@@ -50,14 +50,18 @@ class PSPNet(SegmentationHead):
         channels: width of the fusion conv (512 in the MobileViTv2 recipes).
         pool_sizes: grid sizes of the pooled branches.
         dropout: dropout after the fusion conv.
-        in_stride, aux, aux_stride, aux_dropout: see :class:`~heads.seg_common.SegmentationHead`.
+        in_stride, aux, aux_stage, aux_stride, aux_dropout, stage_channels: see
+            :class:`~heads.seg_common.SegmentationHead` (``stage_channels`` comes from the task).
 
-    ``forward``: ``{stride: (B, C_s, H/s, W/s)}`` -> ``{"out": (B, num_classes, H/in_stride, W/in_stride)}``.
+    ``forward(features, stages=None)``: ``{stride: (B, C_s, H/s, W/s)}`` -> ``{"out": (B, num_classes,
+    H/in_stride, W/in_stride)}`` (+ ``"aux"`` while training with ``aux=True``).
     """
 
     def __init__(self, feature_channels: dict[int, int], num_classes: int, channels: int = 512,
                  pool_sizes: Sequence[int] = (1, 2, 3, 6), dropout: float = 0.1, in_stride: int | None = None,
-                 aux: bool = False, aux_stride: int = 16, aux_dropout: float = 0.1):
-        super().__init__(feature_channels, num_classes, in_stride, aux, aux_stride, aux_dropout)
+                 aux: bool = False, aux_stage: int | None = None, aux_stride: int | None = None,
+                 aux_dropout: float = 0.1, stage_channels: dict[int, int] | None = None):
+        super().__init__(feature_channels, num_classes, in_stride, aux, aux_stage, aux_stride, aux_dropout,
+                         stage_channels)
         self.decoder = PyramidPooling(self.in_channels, channels, pool_sizes, dropout)
         self._finish(channels)

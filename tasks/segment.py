@@ -1,7 +1,8 @@
 """Semantic segmentation: ``python -m tasks.segment {fit,validate,test,predict}``.
 
 A backbone's feature pyramid feeds a DeepLabv3 or PSPNet head; cross-entropy with
-the ignore label (plus the auxiliary head's loss, weight 0.4, when it is on).
+the ignore label (plus, in training only, the auxiliary head's loss, weight ``aux_weight``
+0.4, when the head has one: CVNets reads it from stage 4, ``head.aux_stage: 4``).
 
 Scores: one dataset-wide confusion matrix over every evaluated
 pixel at the original resolution (ignore label excluded), per-class IoU
@@ -41,7 +42,9 @@ from tasks.analysis import displayable, write_worst_csv
 from tasks.base import TaskModule
 
 
-#: builds a head from ``(backbone.feature_channels, num_classes)``; YAML: ``class_path: heads.pspnet.PSPNet``
+#: builds a head from ``(backbone.feature_channels, num_classes, stage_channels=backbone.stage_channels)``;
+#: YAML: ``class_path: heads.pspnet.PSPNet``. ``stage_channels`` (stage index -> channels, empty for
+#: single-scale backbones) is what an auxiliary head read by stage needs; the task always passes it.
 HeadFactory = Callable[[dict[int, int], int], SegmentationHead]
 
 
@@ -94,11 +97,12 @@ class SegmentationTask(TaskModule):
         backbone: any image backbone (YAML ``class_path: backbones.MobileViTv2``; its
             ``output_stride`` sets the head's resolution).
         class_names: linked from the datamodule; label i is ``class_names[i]``.
-        head: builds the head from ``(feature_channels, num_classes)`` (YAML ``class_path:
+        head: builds the head from ``(feature_channels, num_classes, stage_channels=...)`` (YAML ``class_path:
             heads.deeplabv3.DeepLabV3`` / ``heads.pspnet.PSPNet`` with their other arguments);
             ``None`` is a default DeepLabV3.
         ignore_index: label excluded from the loss and the scores.
-        aux_weight: weight of the auxiliary head's loss (used when the head has one).
+        aux_weight: weight of the auxiliary head's loss (used in training when the head has one;
+            CVNets' ``loss.segmentation.cross_entropy.aux_weight``, 0.4).
         class_weights: per-class weights of the cross-entropy (mmsegmentation's ``class_weight``),
             e.g. to stop a dominant background from drowning the rare classes; ``None``: all 1.
             The loss stays a weighted mean over the labelled pixels; scores are unaffected.
@@ -115,7 +119,8 @@ class SegmentationTask(TaskModule):
         self.backbone = backbone
         self.class_names = list(class_names)
         num_classes = len(self.class_names)
-        self.head = (head or DeepLabV3)(dict(backbone.feature_channels), num_classes)
+        self.head = (head or DeepLabV3)(dict(backbone.feature_channels), num_classes,
+                                        stage_channels=dict(backbone.stage_channels))
         self.ignore_index = ignore_index
         self.aux_weight = aux_weight
         if class_weights is not None and len(class_weights) != num_classes:
@@ -139,23 +144,34 @@ class SegmentationTask(TaskModule):
         """(B, 3, H, W) -> ``{"out": (B, K, *size)}`` (+ ``"aux"`` while training), logits upsampled
         bilinearly to ``size`` (default: the input's H, W)."""
         size = tuple(size) if size is not None else tuple(images.shape[-2:])
-        out = self.head(self.backbone(self.to_memory_format(images)))
+        images = self.to_memory_format(images)
+        stages = getattr(self.head, "input_stages", ())  # empty in eval: inference never runs the aux head
+        if stages:
+            out = self.head(*self.backbone.forward_stages(images, stages))
+        else:
+            out = self.head(self.backbone(images))
         return {k: F.interpolate(v, size=size, mode="bilinear", align_corners=False) for k, v in out.items()}
 
     def pixel_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """(B, K, H, W) logits, (B, H, W) labels -> (class-weighted) mean cross-entropy over labelled pixels."""
         return F.cross_entropy(logits.float(), target, weight=self.class_weights, ignore_index=self.ignore_index)
 
-    def _loss(self, logits: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-        loss = self.pixel_loss(logits["out"], target)
+    def losses(self, logits: dict[str, torch.Tensor], target: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{"loss": total, "seg_loss": main head's}`` (+ ``"aux_loss"``, unweighted, when ``logits``
+        has ``"aux"``); total = seg_loss + aux_weight * aux_loss, as CVNets' SegCrossEntropy."""
+        losses = {"seg_loss": self.pixel_loss(logits["out"], target)}
+        losses["loss"] = losses["seg_loss"]
         if "aux" in logits:
-            loss = loss + self.aux_weight * self.pixel_loss(logits["aux"], target)
-        return loss
+            losses["aux_loss"] = self.pixel_loss(logits["aux"], target)
+            losses["loss"] = losses["seg_loss"] + self.aux_weight * losses["aux_loss"]
+        return losses
 
     def training_loss(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(self(batch["image"]), batch["mask"])
-        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["image"]))
-        return loss
+        losses = self.losses(self(batch["image"]), batch["mask"])
+        self.log("train/loss", losses["loss"], prog_bar=True, batch_size=len(batch["image"]))
+        if "aux_loss" in losses:
+            self.log("train/aux_loss", losses["aux_loss"], batch_size=len(batch["image"]))
+        return losses["loss"]
 
     # -- evaluation (one image per step, scored at its original size) -------------------------------------------
     def _evaluate(self, batch: dict, stage: str, metric: SegmentationMetric) -> torch.Tensor:

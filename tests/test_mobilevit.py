@@ -86,8 +86,11 @@ def randomize_norms(model: nn.Module) -> None:
 
 
 def ours_from_timm(timm_name, cls, **kwargs):
+    """timm's model (random weights, randomised norms) and ours with its converted weights;
+    ``output_stride`` goes to both."""
     torch.manual_seed(0)
-    reference = timm.create_model(timm_name, pretrained=False).eval()
+    timm_kwargs = {"output_stride": kwargs["output_stride"]} if "output_stride" in kwargs else {}
+    reference = timm.create_model(timm_name, pretrained=False, **timm_kwargs).eval()
     with torch.no_grad():
         randomize_norms(reference)
     ours = cls(**kwargs).eval()
@@ -121,6 +124,44 @@ def test_logits_equal_timm_with_converted_weights(timm_name, cls, kwargs):
         expected_pooled = reference.forward_head(reference.forward_features(x), pre_logits=True)
     assert (logits - expected).abs().max().item() <= 1e-5
     torch.testing.assert_close(pooled, expected_pooled, rtol=1e-4, atol=1e-5)  # the embedding too, scale-free
+
+
+@pytest.mark.parametrize("output_stride", [8, 16])
+def test_stage_maps_equal_timm_forward_intermediates(output_stride):
+    """Stage i (CVNets' layer_i) is timm's feature index i - 1, at the same dilated stride."""
+    reference, ours, _ = ours_from_timm("mobilevitv2_100", MobileViTv2, width=1.0, output_stride=output_stride)
+    expected_strides = {8: [2, 4, 8, 8, 8], 16: [2, 4, 8, 16, 16]}[output_stride]
+    assert [s.stride for s in ours.stage_info] == expected_strides
+    assert [s.stride for s in ours.stage_info] == [info["reduction"] for info in reference.feature_info]
+    assert [s.channels for s in ours.stage_info] == [info["num_chs"] for info in reference.feature_info]
+    assert [s.index for s in ours.stage_info] == [1, 2, 3, 4, 5]
+    x = torch.randn(1, 3, 64, 96)
+    with torch.no_grad():
+        _, expected = reference.forward_intermediates(x, indices=[0, 1, 2, 3, 4])
+        features, stage_maps = ours.forward_stages(x, [1, 2, 3, 4, 5])
+        plain = ours(x)
+    for index, reference_map in enumerate(expected, start=1):
+        torch.testing.assert_close(stage_maps[index], reference_map, rtol=1e-4, atol=1e-5, msg=f"stage {index}")
+    # the stride dict is forward's, unchanged: the deepest stage at each stride
+    assert sorted(features) == sorted(plain) == sorted(set(expected_strides))
+    for stride in plain:
+        torch.testing.assert_close(features[stride], plain[stride], rtol=0, atol=0)
+    assert features[output_stride] is not stage_maps[4] and torch.equal(features[output_stride], stage_maps[5])
+
+
+@pytest.mark.parametrize("cls,kwargs", [(MobileViTv2, {"width": 0.5}), (MobileViT, {"size": "xxs"})])
+def test_forward_stages_returns_only_the_chosen_stages_from_one_pass(cls, kwargs):
+    model = cls(output_stride=8, **kwargs).eval()
+    calls = []
+    model.stem.register_forward_hook(lambda *_: calls.append(1))
+    stage4 = []
+    model.stages[3].register_forward_hook(lambda module, inputs, output: stage4.append(output))
+    with torch.no_grad():
+        features, stage_maps = model.forward_stages(torch.randn(1, 3, 64, 64), [4])
+    assert len(calls) == 1 and list(stage_maps) == [4] and stage_maps[4] is stage4[0]
+    assert stage_maps[4].shape == (1, model.stage_channels[4], 8, 8) and sorted(features) == [2, 4, 8]
+    with pytest.raises(ValueError, match=rf"{cls.__name__} has no stage 6; its stages are 1 \(stride 2"):
+        model.forward_stages(torch.randn(1, 3, 64, 64), [6])
 
 
 @pytest.mark.parametrize("timm_name,cls,kwargs", [("mobilevitv2_050", MobileViTv2, {"width": 0.5}),

@@ -82,10 +82,27 @@ def test_gradients_reach_the_trunk_through_every_level():
 def test_segmentation_heads_accept_single_scale_backbones(head_cls):
     for backbone in small_backbones(pyramid_strides=[8, 16, 32], pyramid_channels=32):
         backbone.eval()
-        head = head_cls(backbone.feature_channels, num_classes=5, channels=16, in_stride=8, aux=True).eval()
+        head = head_cls(backbone.feature_channels, num_classes=5, channels=16, in_stride=8, aux=True, aux_stride=16)
         with torch.no_grad():
-            out = head(backbone(torch.randn(1, 3, 64, 64)))
-        assert out["out"].shape == (1, 5, 8, 8), type(backbone).__name__
+            out = head.train()(backbone(torch.randn(2, 3, 64, 64)))
+        assert out["out"].shape == (2, 5, 8, 8), type(backbone).__name__
+        assert out["aux"].shape == (2, 5, 4, 4), type(backbone).__name__
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["vit", "convmixer", "mlp_mixer"])
+def test_single_scale_backbones_have_no_stages_and_say_so_by_name(index):
+    backbone = small_backbones(pyramid_strides=[8, 16], pyramid_channels=16)[index].eval()
+    name = type(backbone).__name__
+    assert backbone.stage_info == () and backbone.stage_channels == {}
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        features, stage_maps = backbone.forward_stages(x)  # no stage asked: forward's dict
+        assert stage_maps == {} and all(torch.equal(features[s], backbone(x)[s]) for s in (8, 16))
+    with pytest.raises(ValueError, match=rf"{name} has no numbered stages .*\[8, 16\].*aux_stride instead of aux_stage"):
+        backbone.forward_stages(x, [4])
+    # a head asked for a stage of such a backbone says what to write instead
+    with pytest.raises(ValueError, match=r"aux_stage=4 .*no numbered stages .*aux_stride: <one of \[8, 16\]>"):
+        PSPNet(backbone.feature_channels, 5, aux=True, aux_stage=4, stage_channels=backbone.stage_channels)
 
 
 def test_ssdlite_head_accepts_single_scale_backbones():
