@@ -97,9 +97,9 @@ def dense(args) -> None:
     data = demo_data(args)
     rates = [int(r) for r in args.rates.split(",")]
     if args.head == "deeplabv3":
-        head = lambda channels, k: DeepLabV3(channels, k, channels=args.channels, atrous_rates=rates)  # noqa: E731
+        head = lambda channels, k, **kw: DeepLabV3(channels, k, channels=args.channels, atrous_rates=rates, **kw)  # noqa: E731
     else:
-        head = lambda channels, k: PSPNet(channels, k, channels=args.channels)  # noqa: E731
+        head = lambda channels, k, **kw: PSPNet(channels, k, channels=args.channels, **kw)  # noqa: E731
     model = SegmentationTask(backbone(args), data.class_names, head=head,
                              class_weights=[args.background_weight] + [1.0] * (data.num_classes - 1))
     optimizer = recipe_optimizer(model, args.lr)

@@ -597,7 +597,8 @@ def export_translation(request: ExportRequest) -> ExportReport:
     past = torch.randn(len(src), 2 * layers, heads, 3, head_dim, generator=generator)
     metadata = {"task": "translation", "bos_id": model.bos_id, "eos_id": model.eos_id, "pad_id": model.pad_id,
                 "max_positions": model.max_positions, "max_len_a": model.max_len_a, "max_len_b": model.max_len_b,
-                "beam_size": model.beam_size, "length_penalty": model.length_penalty, "num_layers": layers,
+                "beam_size": model.beam_size, "length_penalty": model.length_penalty,
+                "length_penalty_form": model.length_penalty_form, "num_layers": layers,
                 "num_heads": heads, "head_dim": head_dim, "vocab_size": decoder.embed.tokens.num_embeddings,
                 "encoder": files["encoder"].name, "decoder_step": files["decoder_step"].name,
                 "tokenizer": files["tokenizer"].name}

@@ -73,3 +73,41 @@ def callback(config: dict, class_name: str) -> dict | None:
         if isinstance(entry, dict) and entry.get("class_path", "").endswith(class_name):
             return entry.get("init_args") or {}
     return None
+
+
+def training_facts(config: dict) -> dict:
+    """What a resolved recipe says about its optimisation, in the terms the fidelity tests' reference tables
+    use (the same in every task): optimizer and its values, schedule, length, global batch, EMA, precision."""
+    scheduler = value(config, "model.scheduler", None)
+    trainer = config["trainer"]
+    ema = callback(config, "EMAWeightAveraging")
+    return {
+        "optimizer": value(config, "model.optimizer.class_path"),
+        "betas": value(config, "model.optimizer.betas", None),
+        "momentum": value(config, "model.optimizer.momentum", None),
+        "lr": value(config, "model.optimizer.lr"),
+        "weight_decay": value(config, "model.optimizer.weight_decay"),
+        "no_decay_on_norm_and_bias": value(config, "model.no_weight_decay_on_norm_bias"),
+        "schedule": "fixed" if scheduler is None else {"tasks.optim.WarmupCosineLR": "cosine"}.get(
+            scheduler["class_path"], scheduler["class_path"]),
+        "min_lr": value(scheduler, "min_lr") if scheduler else None,
+        "warmup_steps": value(scheduler, "warmup_steps") if scheduler else 0,
+        "warmup_init_lr": value(scheduler, "warmup_init_lr") if scheduler else None,
+        "epochs": trainer["max_epochs"],
+        "global_batch": value(config, "data.batch_size") * trainer["devices"] * (trainer.get("num_nodes") or 1)
+        * (trainer.get("accumulate_grad_batches") or 1),
+        "grad_clip": trainer.get("gradient_clip_val"),
+        "mixed_precision": str(trainer["precision"]).endswith("-mixed"),
+        "sync_batchnorm": bool(trainer.get("sync_batchnorm")),
+        "channels_last": value(config, "model.channels_last"),
+        "ema_decay": ema["decay"] if ema is not None else None,
+    }
+
+
+def checkpoint_stem(path: str | None) -> str | None:
+    """``checkpoints/imagenet1k_256/mobilevitv2-1.0.pt`` -> ``imagenet1k_256/mobilevitv2-1.0``: what a start
+    checkpoint was trained on (its folder) and for which width (its stem)."""
+    if path is None:
+        return None
+    folder, name = path.rsplit("/", 2)[-2:]
+    return f"{folder}/{name.rsplit('.', 1)[0]}"

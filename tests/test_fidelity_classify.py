@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import run_task
-from tests.recipes import REPO, callback, resolve, value
+from tests.recipes import REPO, checkpoint_stem, resolve, training_facts, value
 
 IN1K = "CVNets config/classification/imagenet/mobilevit_v2.yaml"
 FT384 = "CVNets config/classification/finetune_higher_res_in1k/mobilevit_v2.yaml"
@@ -145,38 +145,15 @@ for _width in IN21K_WEIGHT_DECAY:
 
 def facts(config: dict) -> dict:
     """What a resolved classification recipe says, in the reference tables' terms."""
-    scheduler = value(config, "model.scheduler")
-    trainer = config["trainer"]
-    ema = callback(config, "EMAWeightAveraging")
-    weights = value(config, "model.weights")
     return {
+        **training_facts(config),
         "width": value(config, "model.backbone.width"),
-        "optimizer": value(config, "model.optimizer.class_path"),
-        "betas": value(config, "model.optimizer.betas", None),
-        "momentum": value(config, "model.optimizer.momentum", None),
-        "lr": value(config, "model.optimizer.lr"),
-        "weight_decay": value(config, "model.optimizer.weight_decay"),
-        "no_decay_on_norm_and_bias": value(config, "model.no_weight_decay_on_norm_bias"),
-        "schedule": "fixed" if scheduler is None else {"tasks.optim.WarmupCosineLR": "cosine"}.get(
-            scheduler["class_path"], scheduler["class_path"]),
-        "min_lr": value(scheduler, "min_lr") if scheduler else None,
-        "warmup_steps": value(scheduler, "warmup_steps") if scheduler else 0,
-        "warmup_init_lr": value(scheduler, "warmup_init_lr") if scheduler else None,
-        "epochs": trainer["max_epochs"],
-        "global_batch": value(config, "data.batch_size") * trainer["devices"] * trainer.get("num_nodes", 1)
-        * trainer.get("accumulate_grad_batches", 1),
-        "grad_clip": trainer.get("gradient_clip_val"),
-        "mixed_precision": str(trainer["precision"]).endswith("-mixed"),
-        "channels_last": value(config, "model.channels_last"),
         "label_smoothing": value(config, "model.label_smoothing"),
-        "ema_decay": ema["decay"] if ema is not None else None,
         **{key: value(config, f"data.{key}") for key in (
             "image_size", "eval_resize", "interpolation", "hflip", "rand_augment", "random_erasing",
             "mixup_alpha", "cutmix_alpha")},
         "normalisation": (value(config, "data.mean"), value(config, "data.std")),
-        # the checkpoint a recipe starts from, by its folder (what it was trained on) and file stem (width)
-        "starts_from": None if weights is None else weights.rsplit("/", 2)[-2] + "/" + weights.rsplit("/", 1)[-1]
-        .rsplit(".", 1)[0],
+        "starts_from": checkpoint_stem(value(config, "model.weights")),
     }
 
 

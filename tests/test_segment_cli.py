@@ -195,7 +195,8 @@ def test_paper_recipes_run_one_step(recipe, fitted, tmp_path):
     """The paper recipes instantiate and take a step (CPU, tiny crops, no checkpoint) on a VOC / ADE20k layout."""
     voc, _, cache = fitted
     root = voc_to_ade20k(voc, tmp_path / "ADEChallengeData2016") if recipe.name.startswith("ade20k") else voc
-    aug = [] if recipe.name.startswith("ade20k") else ["--data.aug_masks", "false"]
+    # the COCO part of the VOC training set has its own tests (test_coco_voc.py); the demo has no COCO folder
+    aug = [] if recipe.name.startswith("ade20k") else ["--data.aug_masks", "false", "--data.coco_root", "null"]
     run_cli("fit", "--config", str(recipe), "--data.root", str(root), *aug, "--model.backbone.init_args.width", "0.5",
             "--model.backbone.init_args.pretrained", "null", "--data.crop_size", "64", "--data.batch_size", "2",
             "--data.num_workers", "0", "--data.eval_short_side", "null", "--trainer.accelerator", "cpu",
