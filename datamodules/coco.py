@@ -6,9 +6,9 @@ contiguous labels ``0 .. num_classes - 1`` in sorted-id order and back
 but kept, with their areas, in the ground truth that evaluation sees; images without any
 annotation stay in training as pure negatives.
 
-Augmentation is the SSD recipe with ``torchvision.transforms.v2`` on ``tv_tensors.BoundingBoxes``
-(photometric distortion, zoom-out, IoU-constrained crop, horizontal flip, resize to the
-square model input), so boxes follow the pixels without hand-written geometry. Transforms,
+Augmentation is the SSD recipe on ``tv_tensors.BoundingBoxes``, torchvision's preset (photometric
+distortion, zoom-out, IoU-constrained crop, horizontal flip, resize to the square model input) or
+CVNets' (``augmentation="cvnets"``: its IoU crop, photometric distortion, flip, resize; no zoom-out). Transforms,
 collate functions and :class:`ImageFiles` live in :mod:`datamodules.detection_common`, shared with
 the Pascal VOC datamodule (:mod:`datamodules.voc_detection`), and are importable from here too.
 
@@ -45,7 +45,8 @@ from torch.utils.data import Dataset
 from datamodules.demo import demo_root
 # shared with the VOC datamodule; importable from here as before
 from datamodules.detection_common import (DetectionDataModule, ImageFiles,  # noqa: F401
-                                          check_image_size, check_on_bad_image, collate_detection, collate_images,
+                                          check_augmentation, check_image_size, check_on_bad_image, collate_detection,
+                                          collate_images,
                                           detection_item, eval_transform, ssd_train_transform, stack_detection,
                                           stack_images)
 from datamodules.images import IMAGENET_MEAN, IMAGENET_STD, OnBadImage, guarded, read_rgb
@@ -248,7 +249,12 @@ class CocoDataModule(DetectionDataModule):
             the test split's images. When given, ``predict`` does not read ``root`` at all, so a
             checkpoint predicts on a folder with nothing else.
         image_size: side of the square model input.
-        zoom_out_max: largest zoom-out canvas factor (1 disables zoom-out).
+        augmentation: the training pipeline: ``"torchvision_ssd"`` (torchvision's SSD preset: photometric
+            distortion, zoom-out, IoU crop, flip) or ``"cvnets"`` (CVNets' SSD pipeline: its IoU crop,
+            photometric distortion, flip, bicubic resize; no zoom-out), see
+            :mod:`datamodules.detection_transforms`.
+        zoom_out_max: largest zoom-out canvas factor (1 disables zoom-out); ``None``: the pipeline's own
+            (4 for ``torchvision_ssd``; ``cvnets`` has none and refuses any other value than 1).
         iou_crop: SSD's IoU-constrained random crop. hflip: flip probability.
         mean, std: normalisation (0/1 for CVNets checkpoints, which expect unnormalised input).
         on_bad_image: ``"fail"`` stops at an unreadable image file naming it; ``"skip"`` leaves it out of
@@ -264,13 +270,15 @@ class CocoDataModule(DetectionDataModule):
 
     def __init__(self, root: str | None = None, train_split: str = "train2017", val_split: str = "val2017",
                  test_split: str | None = None, predict_path: str | None = None, image_size: int = 320,
-                 zoom_out_max: float = 4.0, iou_crop: bool = True, hflip: float = 0.5,
+                 augmentation: str = "torchvision_ssd", zoom_out_max: float | None = None, iou_crop: bool = True,
+                 hflip: float = 0.5,
                  mean: tuple[float, float, float] = IMAGENET_MEAN, std: tuple[float, float, float] = IMAGENET_STD,
                  batch_size: int = 32, eval_batch_size: int | None = None, num_workers: int = 4,
                  pin_memory: bool = True, persistent_workers: bool = True, on_bad_image: OnBadImage = "fail",
                  streaming_root: str | None = None):
         super().__init__()
         check_on_bad_image(on_bad_image)
+        check_augmentation(augmentation, zoom_out_max)
         self.save_hyperparameters()
         self._root = Path(root).expanduser() if root else None
         self._categories: list[dict] | None = None

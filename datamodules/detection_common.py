@@ -1,6 +1,6 @@
 """What every detection datamodule shares, whatever its annotation format (COCO JSON, Pascal VOC XML).
 
-The SSD augmentation and the evaluation resize (from :mod:`datamodules.detection_transforms`; boxes
+The training augmentations (torchvision's SSD preset or CVNets' pipeline) and the evaluation resize (from :mod:`datamodules.detection_transforms`; boxes
 are ``tv_tensors.BoundingBoxes`` and follow the pixels), the collate functions that make the
 batches of the one detection contract, and :class:`ImageFiles`, the plain images ``predict``
 reads. :mod:`datamodules.coco` and :mod:`datamodules.voc_detection` both build on them, so
@@ -29,7 +29,8 @@ from torchvision import tv_tensors
 from lightning.pytorch import LightningDataModule
 
 from datamodules.images import IMAGE_EXTENSIONS, OnBadImage, collate_skipping, guarded, list_images, read_rgb
-from datamodules.detection_transforms import eval_transform, ssd_train_transform
+from datamodules.detection_transforms import (AUGMENTATIONS, detection_train_transform, eval_transform,  # noqa: F401
+                                             ssd_train_transform)
 from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
 
 
@@ -76,6 +77,12 @@ class ImageFiles(Dataset):
             return None
         info = {"path": str(path), "orig_size": tuple(int(s) for s in pixels.shape[-2:])}
         return self.transform(tv_tensors.Image(pixels)), info
+
+
+def check_augmentation(augmentation: str, zoom_out_max: float | None) -> None:
+    """Refuse, when the datamodule is built, a training pipeline name that does not exist or a zoom-out
+    the pipeline does not have (:func:`datamodules.detection_transforms.detection_train_transform`)."""
+    detection_train_transform(augmentation, 32, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), zoom_out_max)
 
 
 #: the ground truth of a detection target, in original pixels, as evaluation reads it (VOC adds ``gt_difficult``)
@@ -174,7 +181,8 @@ class DetectionDataModule(SplitLoaders, StreamedSource, LightningDataModule):
     ``(image, target)`` with the detection target keys), ``test_split`` and ``test_images()`` (the
     images ``predict`` reads when no ``predict_path`` is given), and sets ``evaluation_metric``
     (``"coco"`` or ``"voc"``: which benchmark metric the task scores it with). Its ``hparams`` hold
-    the common arguments (``train_split``, ``val_split``, ``predict_path``, ``image_size``, ``mean``,
+    the common arguments (``train_split``, ``val_split``, ``predict_path``, ``image_size``,
+    ``augmentation``, ``zoom_out_max``, ``iou_crop``, ``hflip``, ``mean``,
     ``std``, ``batch_size``, ``eval_batch_size``, ``num_workers``, ``pin_memory``,
     ``persistent_workers``, ``on_bad_image``).
     """
@@ -188,7 +196,8 @@ class DetectionDataModule(SplitLoaders, StreamedSource, LightningDataModule):
 
     def transform(self, train: bool):
         h = self.hparams
-        return (ssd_train_transform(h.image_size, h.mean, h.std, h.zoom_out_max, h.iou_crop, h.hflip) if train
+        return (detection_train_transform(h.augmentation, h.image_size, h.mean, h.std, h.zoom_out_max, h.iou_crop,
+                                          h.hflip) if train
                 else eval_transform(h.image_size, h.mean, h.std))
 
     def streamed_split(self, name, train: bool = False, use_difficult: bool = True):

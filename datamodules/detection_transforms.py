@@ -1,5 +1,14 @@
 """SSD training augmentation in one pass over the pixels, and the evaluation resize.
 
+Two training pipelines, chosen by name with :func:`detection_train_transform` (the datamodules'
+``augmentation`` argument):
+
+- ``"torchvision_ssd"`` (:class:`SSDTrainTransform`): torchvision's SSD preset, zoom-out included
+  (described below);
+- ``"cvnets"`` (:class:`CVNetsSSDTrainTransform`): the one CVNets trains SSDLite-MobileViT(v2) with
+  (``data/datasets/detection/coco_ssd.py``: SSDCroping, PhotometricDistort, RandomHorizontalFlip,
+  Resize), with CVNets' crop rules and no zoom-out.
+
 :func:`ssd_train_transform` draws the SSD recipe's random parameters as torchvision's
 ``RandomPhotometricDistort -> RandomZoomOut -> RandomIoUCrop -> RandomHorizontalFlip -> Resize``
 chain does (same ranges, probabilities and order, from torch's global RNG), but works out the
@@ -28,8 +37,10 @@ crop, or that keep less than 1 output pixel of width, height or area, are droppe
 """
 from __future__ import annotations
 
+import random
 from typing import Sequence
 
+import numpy as np
 import torch
 from torchvision import tv_tensors
 from torchvision.transforms import v2
@@ -147,6 +158,17 @@ def iou_crop_window(boxes: torch.Tensor, width: int, height: int, min_scale: flo
             return left, top, right, bottom, inside[first]
 
 
+def plain_inputs(image: torch.Tensor, target: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A training item's (3, H, W) uint8 pixels and (G, 4) xyxy boxes as plain tensors; any other image is
+    refused naming its shape and dtype."""
+    if image.dtype != torch.uint8 or image.ndim != 3:
+        raise TypeError(f"SSD augmentation expects a (3, H, W) uint8 image, got {tuple(image.shape)} {image.dtype}")
+    boxes = target["boxes"]
+    if boxes.format != tv_tensors.BoundingBoxFormat.XYXY:
+        boxes = F.convert_bounding_box_format(boxes, new_format=tv_tensors.BoundingBoxFormat.XYXY)
+    return image.as_subclass(torch.Tensor), boxes.as_subclass(torch.Tensor)
+
+
 class SSDTrainTransform:
     """The SSD recipe (photometric distortion, zoom-out, IoU crop, flip, resize to ``image_size``
     squared, normalise) on ``(image, target)``; see the module docstring for the contract and for
@@ -178,13 +200,8 @@ class SSDTrainTransform:
         return F.normalize(image, self.mean, self.std)
 
     def __call__(self, image: torch.Tensor, target: dict) -> tuple[tv_tensors.Image, dict]:
-        if image.dtype != torch.uint8 or image.ndim != 3:
-            raise TypeError(f"SSD augmentation expects a (3, H, W) uint8 image, got {tuple(image.shape)} {image.dtype}")
-        pixels = image.as_subclass(torch.Tensor)
+        pixels, boxes = plain_inputs(image, target)
         height, width = pixels.shape[-2:]
-        boxes = target["boxes"]
-        if boxes.format != tv_tensors.BoundingBoxFormat.XYXY:
-            boxes = F.convert_bounding_box_format(boxes, new_format=tv_tensors.BoundingBoxFormat.XYXY)
         # on the photo, a box's centre is too: the window, which holds a centre, then holds photo pixels
         boxes = boxes.as_subclass(torch.Tensor).float().clamp(min=torch.zeros(4), max=torch.tensor(
             [width, height, width, height], dtype=torch.float32))
@@ -244,6 +261,163 @@ def ssd_train_transform(image_size: int, mean: Sequence[float], std: Sequence[fl
                         zoom_out_max: float = 4.0, iou_crop: bool = True, hflip: float = 0.5) -> SSDTrainTransform:
     """The SSD recipe's augmentation (Liu et al. 2016, sec. 2.2 / torchvision's SSD preset), one pass."""
     return SSDTrainTransform(image_size, mean, std, zoom_out_max=zoom_out_max, iou_crop=iou_crop, hflip=hflip)
+
+
+class CVNetsPhotometricDistortion(PhotometricDistortion):
+    """CVNets' ``PhotometricDistort`` (``data/transforms/image_pil.py``): seven uniform numbers from
+    numpy decide, each against ``p``, brightness, contrast-before-saturation, contrast (before), saturation,
+    hue, contrast (after, only when not before) and a channel permutation (``np.random.permutation``);
+    each factor is drawn as torchvision's ``ColorJitter`` draws it. Same ranges as torchvision's
+    (``image_pil.py`` defaults: brightness 0.875-1.125, contrast and saturation 0.5-1.5, hue -0.05-0.05,
+    p 0.5). Contrast before / after and its probability: ``r1 < p`` then ``r2 < p`` (or ``r5 < p``)."""
+
+    def draw(self) -> dict:
+        decide = np.random.rand(7) < self.p
+        def factor(name: str, apply: bool) -> float | None:
+            low, high = self.ranges[name]
+            return float(torch.empty(1).uniform_(low, high)) if apply else None
+        contrast_before = bool(decide[1])
+        params = {"brightness": factor("brightness", decide[0]),
+                  "contrast_before": contrast_before,
+                  "saturation": factor("saturation", decide[3]),
+                  "hue": factor("hue", decide[4]),
+                  "contrast": factor("contrast", decide[2] if contrast_before else decide[5])}
+        params["channels"] = torch.from_numpy(np.random.permutation(3)) if decide[6] else None
+        return params
+
+
+#: CVNets' SSDCroping defaults (``data/transforms/image_pil.py``, ``--image-augmentation.ssd-crop.*``)
+CVNETS_IOU_THRESHOLDS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+def cvnets_crop_window(boxes: np.ndarray, width: int, height: int,
+                       iou_thresholds: Sequence[float] = CVNETS_IOU_THRESHOLDS, trials: int = 40,
+                       min_aspect_ratio: float = 0.5, max_aspect_ratio: float = 2.0,
+                       min_side: int = 100) -> tuple[int, int, int, int, np.ndarray] | None:
+    """The crop of CVNets' ``SSDCroping``, drawn from Python's ``random`` in CVNets' order.
+
+    Pick a minimum IoU among ``iou_thresholds``: ``0.0`` means no crop (``None``); otherwise try
+    ``trials`` windows with sides ``int(uniform(0.3, 1) x`` the photo's), height / width within
+    ``[min_aspect_ratio, max_aspect_ratio]``, top-left ``int(uniform(0, room))``; a window is taken
+    when its largest IoU with *any* box reaches the threshold, at least one box centre lies strictly
+    inside it, and both sides are at least ``min_side`` pixels. No window in ``trials``: pick again
+    (so ``1.0`` almost always means "pick again"). Differs from torchvision's ``RandomIoUCrop``, where
+    ``1.0`` means no crop, ``0.0`` any crop, the IoU counts only boxes with their centre inside, the
+    aspect ratio is width / height, and windows have no minimum side.
+
+    ``boxes`` (G, 4) xyxy on the ``width x height`` photo, G >= 1. Returns ``(left, top, right,
+    bottom, centre_inside (G,) bool)``."""
+    centres = 0.5 * (boxes[:, :2] + boxes[:, 2:])
+    box_area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+    while True:
+        min_iou = random.choice(iou_thresholds)
+        if min_iou == 0.0:
+            return None
+        for _ in range(trials):
+            new_width = int(random.uniform(0.3 * width, width))
+            new_height = int(random.uniform(0.3 * height, height))
+            if new_width == 0 or not min_aspect_ratio <= new_height / new_width <= max_aspect_ratio:
+                continue
+            left = int(random.uniform(0, width - new_width))
+            top = int(random.uniform(0, height - new_height))
+            window = np.array([left, top, left + new_width, top + new_height])
+            sides = (np.minimum(boxes[:, 2:], window[2:]) - np.maximum(boxes[:, :2], window[:2])).clip(min=0)
+            overlap = sides[:, 0] * sides[:, 1]
+            iou = overlap / (box_area + new_width * new_height - overlap)
+            if iou.max() < min_iou:
+                continue
+            inside = ((window[:2] < centres) & (centres < window[2:])).all(1)
+            if not inside.any() or new_width < min_side or new_height < min_side:
+                continue
+            return left, top, left + new_width, top + new_height, inside
+
+
+class CVNetsSSDTrainTransform:
+    """CVNets' SSD training pipeline (``coco_ssd.py::_training_transforms``): SSD crop
+    (:func:`cvnets_crop_window`), photometric distortion (:class:`CVNetsPhotometricDistortion`),
+    horizontal flip (``random.random() <= hflip``), resize to ``image_size`` squared
+    (``interpolation``; CVNets' ``ssd_coco`` configs: bicubic), ``[0, 1]`` float, normalise. No
+    zoom-out: the output shows only photo pixels.
+
+    Boxes as CVNets keeps them: after a crop only those whose centre lies strictly inside, clipped
+    to the window; no size filter. Without boxes there is no crop (CVNets' guard).
+
+    One pass over the pixels: the window is cut from the photo and resized once; the distortion
+    runs on the resized ``S x S`` float image (CVNets distorts the full-resolution crop in 8 bits:
+    brightness, saturation, hue and the channel order act per pixel and commute with the resize up
+    to rounding, contrast pivots on the mean grey, which the resize keeps up to resampling); the flip
+    mirrors the output (the same as mirroring before the resize).
+
+    Items: ``(image (3, H, W) uint8, {"boxes": BoundingBoxes (G, 4), "labels": (G,), ...})`` ->
+    ``(image (3, S, S) float normalised, {"boxes": BoundingBoxes (G', 4) xyxy in output pixels,
+    "labels": (G',), ...})``, other target keys passed through.
+    """
+
+    def __init__(self, image_size: int, mean: Sequence[float], std: Sequence[float], iou_crop: bool = True,
+                 hflip: float = 0.5, photometric: float = 0.5, interpolation: str = "bicubic",
+                 iou_thresholds: Sequence[float] = CVNETS_IOU_THRESHOLDS, trials: int = 40,
+                 min_aspect_ratio: float = 0.5, max_aspect_ratio: float = 2.0, min_crop_side: int = 100):
+        self.size = image_size
+        self.mean, self.std = list(mean), list(std)
+        self.iou_crop, self.hflip = iou_crop, hflip
+        self.interpolation = v2.InterpolationMode(interpolation)
+        self.photometric = CVNetsPhotometricDistortion(p=photometric)
+        self.crop = {"iou_thresholds": tuple(iou_thresholds), "trials": trials, "min_aspect_ratio": min_aspect_ratio,
+                     "max_aspect_ratio": max_aspect_ratio, "min_side": min_crop_side}
+
+    normalise = SSDTrainTransform.normalise
+
+    def __call__(self, image: torch.Tensor, target: dict) -> tuple[tv_tensors.Image, dict]:
+        pixels, boxes = plain_inputs(image, target)
+        height, width = pixels.shape[-2:]
+        boxes = boxes.float()
+        labels = target["labels"]
+
+        left, top, right, bottom = 0, 0, width, height
+        if self.iou_crop and len(boxes):
+            crop = cvnets_crop_window(boxes.numpy(), width, height, **self.crop)
+            if crop is not None:
+                left, top, right, bottom, inside = crop
+                keep = torch.from_numpy(inside)
+                boxes, labels = boxes[keep], labels[keep]
+                boxes = torch.maximum(torch.minimum(boxes, torch.tensor([right, bottom] * 2, dtype=boxes.dtype)),
+                                      torch.tensor([left, top] * 2, dtype=boxes.dtype))
+        colour = self.photometric.draw()
+        flip = self.hflip > 0 and random.random() <= self.hflip  # CVNets: random.random() <= p
+
+        piece = F.resize(pixels[:, top:bottom, left:right], [self.size, self.size],
+                         interpolation=self.interpolation, antialias=True)
+        out = self.photometric.apply(F.to_dtype(piece, torch.float32, scale=True), colour)
+        scale = torch.tensor([self.size / (right - left), self.size / (bottom - top)] * 2)
+        boxes = ((boxes - torch.tensor([left, top] * 2, dtype=boxes.dtype)) * scale).clamp_(0, self.size)  # float rounding
+        if flip:
+            out = out.flip(-1)
+            boxes = torch.stack([self.size - boxes[:, 2], boxes[:, 1], self.size - boxes[:, 0], boxes[:, 3]], dim=1)
+        out_target = dict(target)
+        out_target["boxes"] = tv_tensors.BoundingBoxes(boxes.to(target["boxes"].dtype), format="XYXY",
+                                                       canvas_size=(self.size, self.size))
+        out_target["labels"] = labels
+        return tv_tensors.Image(self.normalise(out)), out_target
+
+
+#: the training pipelines a detection datamodule offers (its ``augmentation`` argument)
+AUGMENTATIONS = ("torchvision_ssd", "cvnets")
+
+
+def detection_train_transform(augmentation: str, image_size: int, mean: Sequence[float], std: Sequence[float],
+                              zoom_out_max: float | None = None, iou_crop: bool = True, hflip: float = 0.5):
+    """The training pipeline named ``augmentation`` (:data:`AUGMENTATIONS`). ``zoom_out_max``
+    ``None`` is the pipeline's own: 4 for ``torchvision_ssd``, none for ``cvnets``, which has no
+    zoom-out and refuses one."""
+    if augmentation == "torchvision_ssd":
+        return ssd_train_transform(image_size, mean, std, 4.0 if zoom_out_max is None else zoom_out_max, iou_crop, hflip)
+    if augmentation == "cvnets":
+        if zoom_out_max not in (None, 1, 1.0):
+            raise ValueError(f"data.zoom_out_max={zoom_out_max}: CVNets' SSD pipeline (data.augmentation=cvnets) has "
+                             "no zoom-out; leave zoom_out_max unset (or 1) or use data.augmentation=torchvision_ssd")
+        return CVNetsSSDTrainTransform(image_size, mean, std, iou_crop=iou_crop, hflip=hflip)
+    raise ValueError(f"data.augmentation={augmentation!r} is not a detection training pipeline; "
+                     f"choose one of {', '.join(AUGMENTATIONS)}")
 
 
 def eval_transform(image_size: int, mean: Sequence[float], std: Sequence[float]) -> v2.Compose:

@@ -59,7 +59,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import Dataset
 
 from datamodules.demo import demo_root
-from datamodules.detection_common import DetectionDataModule, check_image_size, check_on_bad_image, detection_item
+from datamodules.detection_common import (DetectionDataModule, check_augmentation, check_image_size, check_on_bad_image,
+                                          detection_item)
 from datamodules.images import IMAGENET_MEAN, IMAGENET_STD, OnBadImage, guarded, read_rgb
 
 #: Pascal VOC's 20 object classes, in the devkit's order (label i = ``VOC_DETECTION_CLASSES[i]``)
@@ -424,7 +425,7 @@ class VocDetectionDataModule(DetectionDataModule):
         test_split: the split ``test`` scores; ``None`` = ``val_split``.
         predict_path: an image or a folder of images (hidden files ignored) for ``predict``; ``None`` =
             the test split's images. When given, ``predict`` does not read ``root`` at all.
-        image_size, zoom_out_max, iou_crop, hflip, mean, std, batch_size, eval_batch_size, num_workers,
+        image_size, augmentation, zoom_out_max, iou_crop, hflip, mean, std, batch_size, eval_batch_size, num_workers,
             pin_memory, persistent_workers, on_bad_image: as :class:`datamodules.coco.CocoDataModule`.
         class_names: label i's class name; ``None`` = ``root/class_names.txt`` if present (one name a
             line, a leading ``background`` skipped), else VOC's 20 classes.
@@ -445,8 +446,8 @@ class VocDetectionDataModule(DetectionDataModule):
 
     def __init__(self, root: str | None = None, train_split: str | list[str] = "trainval",
                  val_split: str | list[str] = "test", test_split: str | list[str] | None = None,
-                 predict_path: str | None = None, image_size: int = 320, zoom_out_max: float = 4.0,
-                 iou_crop: bool = True, hflip: float = 0.5,
+                 predict_path: str | None = None, image_size: int = 320, augmentation: str = "torchvision_ssd",
+                 zoom_out_max: float | None = None, iou_crop: bool = True, hflip: float = 0.5,
                  mean: tuple[float, float, float] = IMAGENET_MEAN, std: tuple[float, float, float] = IMAGENET_STD,
                  batch_size: int = 32, eval_batch_size: int | None = None, num_workers: int = 4,
                  pin_memory: bool = True, persistent_workers: bool = True, on_bad_image: OnBadImage = "fail",
@@ -454,6 +455,7 @@ class VocDetectionDataModule(DetectionDataModule):
                  streaming_root: str | None = None):
         super().__init__()
         check_on_bad_image(on_bad_image)
+        check_augmentation(augmentation, zoom_out_max)
         if class_names is not None:
             check_class_names(class_names, "data.class_names")
         self.save_hyperparameters()

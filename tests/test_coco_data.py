@@ -264,3 +264,16 @@ def test_predict_path_does_not_touch_root(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="no images"):
         (tmp_path / "empty").mkdir()
         CocoDataModule(predict_path=str(tmp_path / "empty")).setup("predict")
+
+
+def test_training_pipeline_is_chosen_by_name_and_checked_when_the_datamodule_is_built():
+    from datamodules.detection_transforms import CVNetsSSDTrainTransform, SSDTrainTransform
+
+    default = CocoDataModule(root="/nowhere").transform(train=True)
+    assert isinstance(default, SSDTrainTransform) and default.zoom_out_max == 4.0  # the demo's pipeline, unchanged
+    assert isinstance(CocoDataModule(root="/nowhere", augmentation="cvnets").transform(train=True),
+                      CVNetsSSDTrainTransform)
+    with pytest.raises(ValueError, match="'cvnet'"):
+        CocoDataModule(root="/nowhere", augmentation="cvnet")
+    with pytest.raises(ValueError, match="no zoom-out"):
+        CocoDataModule(root="/nowhere", augmentation="cvnets", zoom_out_max=4.0)

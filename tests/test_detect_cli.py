@@ -252,3 +252,20 @@ def test_voc_per_class_csv_is_the_metric_ap_per_class(tmp_path):
     expected = values["ap_per_class"].tolist()
     assert [float(r["ap50"]) for r in rows[:2]] == pytest.approx(expected[:2]) and math.isnan(float(rows[2]["ap50"]))
     assert float(rows[0]["ap50"]) == pytest.approx(1.0) and float(rows[1]["ap50"]) == pytest.approx(1.0)
+
+
+COCO_PAPER_RECIPES = sorted((REPO / "configs" / "detect").glob("coco_ssdlite_*.yaml"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", COCO_PAPER_RECIPES, ids=lambda p: p.stem)
+def test_paper_recipes_run_one_step(recipe, fitted, tmp_path):
+    """Every COCO paper recipe instantiates (CVNets augmentation, EMA, its head and backbone) and takes one
+    training step on the tiny COCO layout, on CPU, without its ImageNet checkpoint."""
+    data, _, cache = fitted
+    run_cli("fit", "--config", str(recipe), "--data.root", str(data), "--model.backbone.init_args.pretrained", "null",
+            "--data.image_size", "64", "--data.batch_size", "2", "--data.eval_batch_size", "2",
+            "--data.num_workers", "0", "--data.persistent_workers", "false", "--data.pin_memory", "false",
+            "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto",
+            "--trainer.sync_batchnorm", "false", "--trainer.precision", "32-true", "--trainer.fast_dev_run", "1",
+            "--trainer.default_root_dir", str(tmp_path / "run"), cache=cache)

@@ -6,6 +6,9 @@ sample by sample, and the documented differences are bounded.
 """
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 from torchvision import tv_tensors
@@ -14,9 +17,11 @@ from torchvision.transforms.v2 import functional as F
 
 from datamodules.classification_transforms import FastRandAugment, MixCollate, eval_transform as classify_eval
 from datamodules.classification_transforms import train_transform as classify_train
-from datamodules.detection_transforms import (PhotometricDistortion, SSDTrainTransform, eval_transform, iou_crop_window,
-                                              shift_hue, ssd_train_transform)
-from datamodules.loaders import SeededSamples
+from datamodules.detection_transforms import (CVNetsPhotometricDistortion, CVNetsSSDTrainTransform,
+                                              PhotometricDistortion, SSDTrainTransform, cvnets_crop_window,
+                                              detection_train_transform, eval_transform, iou_crop_window, shift_hue,
+                                              ssd_train_transform)
+from datamodules.loaders import SeededSamples, run_seeded
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -330,3 +335,139 @@ def test_mix_collate_equals_torchvision_mixup_and_cutmix(mixup_alpha, cutmix_alp
         torch.testing.assert_close(batch["image"], expected_images, atol=1e-6, rtol=0)
         torch.testing.assert_close(batch["target"], expected_targets, atol=1e-6, rtol=0)
         assert batch["skipped"] == 1 and batch["index"].tolist() == list(range(6))
+
+
+# -- CVNets' SSD pipeline (CVNets data/transforms/image_pil.py: SSDCroping, PhotometricDistort, flip, Resize) ---------
+def random_boxes(count: int, width: int, height: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    corner = rng.uniform(0, 1, (count, 2)) * [width - 10, height - 10]
+    size = rng.uniform(0.05, 0.6, (count, 2)) * [width, height]
+    return np.concatenate([corner, np.minimum(corner + size, [width, height])], axis=1).astype(np.float32)
+
+
+@pytest.mark.parametrize("threshold", [0.1, 0.3, 0.5, 0.7, 0.9])
+def test_cvnets_crop_meets_its_drawn_iou_with_some_box_and_keeps_only_centres_inside(threshold):
+    """CVNets' rules, checked with torchvision's box_iou: the window's IoU with *some* box (centre inside
+    or not) reaches the drawn threshold, sides are 0.3-1x the photo's and at least 100 px, height / width is
+    0.5-2, and the kept boxes are exactly those whose centre lies strictly inside."""
+    from torchvision.ops import box_iou
+
+    width, height = 400, 300
+    for seed in range(25):
+        # one large box makes every threshold reachable in a few picks
+        boxes = np.concatenate([random_boxes(5, width, height, seed), [[20, 10, 380, 290]]]).astype(np.float32)
+        random.seed(seed)
+        left, top, right, bottom, inside = cvnets_crop_window(boxes, width, height, iou_thresholds=(threshold,))
+        new_width, new_height = right - left, bottom - top
+        assert 0.3 * width - 1 <= new_width <= width and 0.3 * height - 1 <= new_height <= height
+        assert new_width >= 100 and new_height >= 100 and 0.5 <= new_height / new_width <= 2.0
+        assert 0 <= left and right <= width and 0 <= top and bottom <= height
+        iou = box_iou(torch.tensor([[left, top, right, bottom]], dtype=torch.float32), torch.from_numpy(boxes))[0]
+        assert iou.max() >= threshold - 1e-6, (seed, iou.max())
+        cx, cy = (boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2
+        expected = (left < cx) & (cx < right) & (top < cy) & (cy < bottom)
+        assert inside.tolist() == expected.tolist() and inside.any()
+
+
+def test_cvnets_crop_zero_threshold_means_no_crop_and_windows_under_100_px_are_refused():
+    """Unlike torchvision (where 1.0 means "no crop"), CVNets' 0.0 leaves the photo whole; on a photo whose
+    windows cannot reach 100 px only that choice ends the search."""
+    boxes = random_boxes(3, 400, 300, 0)
+    random.seed(0)
+    assert cvnets_crop_window(boxes, 400, 300, iou_thresholds=(0.0,)) is None
+    small = random_boxes(3, 90, 90, 1)
+    for seed in range(10):
+        random.seed(seed)
+        assert cvnets_crop_window(small, 90, 90, iou_thresholds=(0.0, 0.1, 0.5)) is None
+
+
+def test_cvnets_photometric_decisions_follow_cvnets_draw():
+    """CVNets draws np.random.rand(7) and compares each with p: brightness r0, contrast-before r1,
+    contrast r2 (before) or r5 (after), saturation r3, hue r4, channel permutation r6."""
+    distortion = CVNetsPhotometricDistortion(p=0.5)
+    for seed in range(40):
+        np.random.seed(seed)
+        r = np.random.rand(7) < 0.5
+        np.random.seed(seed)
+        params = distortion.draw()
+        applied = {name: params[name] is not None for name in ("brightness", "saturation", "hue", "contrast")}
+        assert applied == {"brightness": r[0], "saturation": r[3], "hue": r[4], "contrast": r[2] if r[1] else r[5]}
+        assert params["contrast_before"] == r[1] and (params["channels"] is not None) == r[6]
+        for name in ("brightness", "contrast", "saturation", "hue"):
+            if params[name] is not None:
+                low, high = distortion.ranges[name]
+                assert low <= params[name] <= high
+
+
+def test_cvnets_pipeline_never_zooms_out_and_boxes_frame_their_squares():
+    """No zoom-out: with no distortion, a photo without any fill-coloured pixel gives an output without
+    one either (every output pixel comes from the photo), and each kept box frames its bright square."""
+    pixels, boxes, labels = bright_squares(300, 400)
+    pixels[:, 60:200, 60:200] = 250
+    pixels[:, 200:240, 300:340] = 250
+    boxes = [[60, 60, 200, 200], [300, 200, 340, 240]]
+    transform = CVNetsSSDTrainTransform(96, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), photometric=0.0)
+    cropped = 0
+    for seed in range(40):
+        random.seed(seed)
+        np.random.seed(seed)
+        image, out = transform(tv_tensors.Image(pixels), detection_target(boxes, labels, 300, 400))
+        assert image.shape == (3, 96, 96)
+        # the same draws on a uniform grey photo: every output pixel is that grey, none is fill
+        random.seed(seed)
+        np.random.seed(seed)
+        grey, _ = transform(tv_tensors.Image(torch.full_like(pixels, 30)), detection_target(boxes, labels, 300, 400))
+        torch.testing.assert_close(grey.as_subclass(torch.Tensor), torch.full((3, 96, 96), 30 / 255), rtol=0, atol=1e-6)
+        assert (out["boxes"] >= 0).all() and (out["boxes"] <= 96).all()
+        brightness = image.mean(0)
+        for box in out["boxes"]:
+            x0, y0 = box[:2].ceil().int().tolist()
+            x1, y1 = box[2:].floor().int().tolist()
+            assert (brightness[y0 + 1:y1 - 1, x0 + 1:x1 - 1] > 0.5).all(), seed
+        cropped += len(out["boxes"]) < 2 or not torch.allclose(out["boxes"][0], torch.tensor([60, 60, 200, 200]) * 96
+                                                               / torch.tensor([400, 300, 400, 300]))
+    assert 5 < cropped < 40
+
+
+def test_cvnets_flip_mirrors_pixels_and_boxes():
+    pixels = photo(120, 160)
+    boxes, labels = [[10, 20, 50, 100]], [3]
+    kept, mirrored = (CVNetsSSDTrainTransform(40, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), iou_crop=False, hflip=p,
+                                              photometric=0.0)(tv_tensors.Image(pixels), detection_target(boxes, labels))
+                      for p in (0.0, 1.0))
+    torch.testing.assert_close(mirrored[0].as_subclass(torch.Tensor), kept[0].as_subclass(torch.Tensor).flip(-1))
+    torch.testing.assert_close(kept[1]["boxes"].as_subclass(torch.Tensor), torch.tensor([[2.5, 20 / 3, 12.5, 100 / 3]]))
+    torch.testing.assert_close(mirrored[1]["boxes"].as_subclass(torch.Tensor), torch.tensor([[27.5, 20 / 3, 37.5, 100 / 3]]))
+
+
+def test_cvnets_pipeline_without_boxes_resizes_the_whole_photo():
+    pixels = photo(120, 160)
+    transform = CVNetsSSDTrainTransform(32, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), hflip=0.0, photometric=0.0)
+    image, out = transform(tv_tensors.Image(pixels), detection_target([], []))
+    expected = F.resize(pixels, [32, 32], interpolation=v2.InterpolationMode.BICUBIC, antialias=True)
+    torch.testing.assert_close(image.as_subclass(torch.Tensor), expected.float() / 255, rtol=0, atol=1e-6)
+    assert out["boxes"].shape == (0, 4) and out["labels"].shape == (0,)
+
+
+def test_cvnets_pipeline_is_reproducible_under_the_per_sample_seed():
+    """Its randomness comes from Python's random, numpy and torch, all three seeded by run_seeded: a replayed
+    seed gives the same sample (exact resume), other seeds other samples."""
+    pixels, boxes, labels = bright_squares(300, 400)
+    transform = detection_train_transform("cvnets", 64, MEAN, STD)
+    sample = lambda seed: run_seeded(lambda: transform(tv_tensors.Image(pixels),  # noqa: E731
+                                                       detection_target(boxes, labels, 300, 400)), seed)
+    first, again = sample(7), sample(7)
+    torch.testing.assert_close(first[0], again[0], rtol=0, atol=0)
+    torch.testing.assert_close(first[1]["boxes"], again[1]["boxes"], rtol=0, atol=0)
+    assert any(not torch.equal(sample(s)[0], first[0]) for s in range(8, 14))
+
+
+def test_training_pipelines_by_name():
+    assert isinstance(detection_train_transform("torchvision_ssd", 64, MEAN, STD), SSDTrainTransform)
+    assert detection_train_transform("torchvision_ssd", 64, MEAN, STD).zoom_out_max == 4.0
+    cvnets = detection_train_transform("cvnets", 64, MEAN, STD, zoom_out_max=1.0)
+    assert isinstance(cvnets, CVNetsSSDTrainTransform)
+    with pytest.raises(ValueError, match="zoom_out_max=4.0"):
+        detection_train_transform("cvnets", 64, MEAN, STD, zoom_out_max=4.0)
+    with pytest.raises(ValueError, match="'albumentations'"):
+        detection_train_transform("albumentations", 64, MEAN, STD)
