@@ -125,7 +125,7 @@ def test_backbone_starts_from_imagenet_checkpoint_of_its_width(recipe):
     ImageNet-1k classifier of the same width; the recipe names the file it expects."""
     backbone = value(resolve("detect", recipe), "model.backbone")["init_args"]
     tag = f"mobilevitv2-{backbone['width']}" if "width" in backbone else f"mobilevit_{backbone['size']}"
-    assert backbone["pretrained"] == f"checkpoints/imagenet/{tag}.pt"
+    assert backbone["pretrained"] == f"checkpoints/imagenet1k_256/{tag}.pt"
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.removesuffix(".yaml"))

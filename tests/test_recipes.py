@@ -36,6 +36,8 @@ def test_width_variant_is_its_base_plus_what_differs(capsys):
                        capsys=capsys)
     assert variant["model"]["backbone"]["init_args"]["width"] == 0.75
     variant["model"]["backbone"]["init_args"]["width"] = 1.0
+    # each width starts from its own ImageNet checkpoint
+    variant["model"]["backbone"]["init_args"]["pretrained"] = base["model"]["backbone"]["init_args"]["pretrained"]
     assert variant == base  # and nothing else differs, in particular nothing of the demo recipe leaks in
     assert base["model"]["head"]["init_args"]["output_strides"][:2] == [16, 32]
 
