@@ -111,3 +111,12 @@ def checkpoint_stem(path: str | None) -> str | None:
         return None
     folder, name = path.rsplit("/", 2)[-2:]
     return f"{folder}/{name.rsplit('.', 1)[0]}"
+
+
+def assert_fact(recipe: str, fact: str, got, expected, source: str) -> None:
+    """``got`` equals the reference value (floats to 1e-9 relative), or fail naming the recipe, the value
+    and the reference's source."""
+    import pytest  # only the tests use this module; keep the resolver importable without pytest
+
+    equal = got == pytest.approx(expected, rel=1e-9) if isinstance(expected, float) else got == expected
+    assert equal, f"{recipe}: {fact} is {got!r}, {source} says {expected!r}"

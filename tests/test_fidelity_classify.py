@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import run_task
-from tests.recipes import REPO, checkpoint_stem, resolve, training_facts, value
+from tests.recipes import REPO, assert_fact, checkpoint_stem, resolve, training_facts, value
 
 IN1K = "CVNets config/classification/imagenet/mobilevit_v2.yaml"
 FT384 = "CVNets config/classification/finetune_higher_res_in1k/mobilevit_v2.yaml"
@@ -169,11 +169,7 @@ def test_every_imagenet_recipe_has_a_reference_and_every_reference_a_recipe():
 @pytest.mark.parametrize("recipe, fact", CASES)
 def test_recipe_value_equals_its_reference(recipe, fact):
     expected, source = REFERENCES[recipe][fact]
-    got = facts(resolve("classify", recipe))[fact]
-    if isinstance(expected, float):
-        assert got == pytest.approx(expected, rel=1e-9), f"{recipe}: {fact} is {got!r}, {source} says {expected!r}"
-    else:
-        assert got == expected, f"{recipe}: {fact} is {got!r}, {source} says {expected!r}"
+    assert_fact(recipe, fact, facts(resolve("classify", recipe))[fact], expected, source)
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.recipes import REPO, checkpoint_stem, resolve, training_facts, value
+from tests.recipes import REPO, assert_fact, checkpoint_stem, resolve, training_facts, value
 
 CVNETS = "CVNets config/segmentation/{dataset}/{head}_mobilevitv2.yaml"
 TRANSFORMS = "CVNets data/transforms/image_pil.py"
@@ -124,8 +124,4 @@ def test_every_segmentation_paper_recipe_has_a_reference():
 @pytest.mark.parametrize("recipe, fact", CASES)
 def test_recipe_value_equals_its_reference(recipe, fact):
     expected, source = REFERENCES[recipe][fact]
-    got = facts(resolve("segment", recipe))[fact]
-    if isinstance(expected, float):
-        assert got == pytest.approx(expected, rel=1e-9), f"{recipe}: {fact} is {got!r}, {source} says {expected!r}"
-    else:
-        assert got == expected, f"{recipe}: {fact} is {got!r}, {source} says {expected!r}"
+    assert_fact(recipe, fact, facts(resolve("segment", recipe))[fact], expected, source)
