@@ -189,7 +189,9 @@ class CvnetsTrainTransform:
             out_image, out_mask = self.pipeline(*inputs)
         else:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.seed)
+                # the CPU generator only, as loaders.run_seeded: torch.manual_seed would also queue a lazy
+                # seeding of every accelerator backend (a recorded stack trace per sample) for no draw
+                torch.default_generator.manual_seed(self.seed)
                 out_image, out_mask = self.pipeline(*inputs)
         return {"image": out_image.as_subclass(torch.Tensor), "mask": out_mask.as_subclass(torch.Tensor)}
 
