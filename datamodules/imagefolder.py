@@ -13,6 +13,8 @@ datamodule, 16-bit PNGs scaled, errors naming the file). Batches are dicts:
 """
 from __future__ import annotations
 
+import logging
+import os
 from functools import partial
 from pathlib import Path
 from typing import Literal, Sequence
@@ -33,12 +35,14 @@ from datamodules.images import (
     collate_skipping,
     guarded,
     is_hidden,
-    list_images,
     predict_images,
     read_rgb,
 )
 from datamodules.classification_transforms import MixCollate, eval_transform, train_transform
 from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
+from datamodules.prepared import StringTable, folder_signature, prepare
+
+log = logging.getLogger(__name__)
 
 
 def class_folders(split_dir: Path) -> list[str]:
@@ -47,32 +51,111 @@ def class_folders(split_dir: Path) -> list[str]:
     return sorted(d.name for d in split_dir.iterdir() if d.is_dir() and not is_hidden(d))
 
 
-def scan_split(split_dir: Path, classes: Sequence[str] | None = None) -> tuple[list[tuple[Path, int]], list[str]]:
-    """List ``(image path, label)`` pairs of one split folder.
-
-    ``classes`` (the training classes, sorted) fixes the label of each folder name, so a
-    validation split missing a class never shifts the labels of the others. A class
-    folder unknown to training, or with no images, is an error. Hidden folders and files
-    are ignored.
-    """
+def _checked_classes(split_dir: Path, classes: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """(class folders found in ``split_dir``, the label order): errors for a missing split, no class
+    folders, or folders unknown to the training classes."""
     if not split_dir.is_dir():
         raise FileNotFoundError(f"expected a split folder {split_dir} holding one sub-folder per class")
     found = class_folders(split_dir)
     if not found:
         raise FileNotFoundError(f"{split_dir} has no class sub-folders (ImageFolder layout: {split_dir}/<class>/<image>)")
     classes = list(found if classes is None else classes)
-    index = {name: i for i, name in enumerate(classes)}
-    unknown = [name for name in found if name not in index]
+    known = set(classes)
+    unknown = [name for name in found if name not in known]
     if unknown:
         raise ValueError(f"{split_dir} has class folders unknown to the training split: {unknown[:10]} "
                          f"({len(unknown)} in all); the training split defines the {len(classes)} classes")
-    samples = []
+    return found, classes
+
+
+def _image_names(folder: Path, skipped: dict[str, list[str]]) -> list[str]:
+    """Sorted names of the image files directly in ``folder``, read from the directory entries alone
+    (no ``stat`` per file: the entry's type comes with the listing). Entries left out are added to
+    ``skipped`` by reason; hidden files and sub-folders are not data and are not counted."""
+    names = []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if os.path.splitext(entry.name)[1].lower() not in IMAGE_EXTENSIONS:
+                if not entry.is_dir():
+                    skipped["not an image (extension)"].append(f"{folder.name}/{entry.name}")
+            elif entry.is_file():
+                names.append(entry.name)
+            elif entry.is_symlink():
+                skipped["broken link"].append(f"{folder.name}/{entry.name}")
+    return sorted(names)
+
+
+def _list_split(split_dir: Path, found: list[str], classes: list[str]) -> tuple[list[str], np.ndarray, dict]:
+    """The images of a split: (paths relative to the split folder, labels, ``{reason: [names]}`` skipped)."""
+    label_of = {name: i for i, name in enumerate(classes)}
+    paths, labels = [], []
+    skipped: dict[str, list[str]] = {"not an image (extension)": [], "broken link": []}
     for name in found:
-        files = list_images(split_dir / name)
+        files = _image_names(split_dir / name, skipped)
         if not files:
             raise ValueError(f"class folder {split_dir / name} holds no images (extensions {IMAGE_EXTENSIONS})")
-        samples += [(f, index[name]) for f in files]
-    return samples, classes
+        paths += [f"{name}/{f}" for f in files]
+        labels += [label_of[name]] * len(files)
+    return paths, np.asarray(labels, dtype=np.int32), {k: v for k, v in skipped.items() if v}
+
+
+def _report_skipped(split_dir: Path, skipped: dict[str, list[str]]) -> None:
+    for reason, names in skipped.items():
+        log.warning("%s: %d files left out, %s: %s%s", split_dir, len(names), reason, ", ".join(names[:5]),
+                    " ..." if len(names) > 5 else "")
+
+
+def scan_split(split_dir: Path, classes: Sequence[str] | None = None) -> tuple[list[tuple[Path, int]], list[str]]:
+    """List ``(image path, label)`` pairs of one split folder by reading the folder now (the direct
+    read; :func:`index_split` gives the same samples from a prepared index).
+
+    ``classes`` (the training classes, sorted) fixes the label of each folder name, so a
+    validation split missing a class never shifts the labels of the others. A class
+    folder unknown to training, or with no images, is an error. Hidden folders and files
+    are ignored; other files that are not images, and broken links, are counted in the log.
+    """
+    found, classes = _checked_classes(split_dir, classes)
+    paths, labels, skipped = _list_split(split_dir, found, classes)
+    _report_skipped(split_dir, skipped)
+    return [(split_dir / p, int(label)) for p, label in zip(paths, labels)], classes
+
+
+class SplitIndex:
+    """The samples of one split as flat arrays: ``len``, ``path(i) -> Path``, ``labels`` (N,) int32.
+    Loader workers share these pages instead of copying a list of Python objects on read."""
+
+    def __init__(self, split_dir: Path, paths: StringTable, labels: np.ndarray):
+        self.split_dir, self.paths, self.labels = split_dir, paths, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def path(self, index: int) -> Path:
+        return self.split_dir / self.paths[index]
+
+    def files(self) -> list[Path]:
+        return [self.path(i) for i in range(len(self))]
+
+
+def index_split(split_dir: Path, classes: Sequence[str] | None = None,
+                prepared_dir: str | None = None) -> tuple[SplitIndex, list[str]]:
+    """:func:`scan_split` through a prepared index (:mod:`datamodules.prepared`): the first start lists
+    the folder and writes the index, later starts and other ranks map it. The index is rebuilt when a
+    class folder's modification time changes (a file added, removed or renamed in it)."""
+    found, classes = _checked_classes(split_dir, classes)
+
+    def build():
+        paths, labels, skipped = _list_split(split_dir, found, classes)
+        data, offsets = StringTable.encode(paths)
+        return {"paths": data, "path_offsets": offsets, "labels": labels}, {"skipped": skipped}
+
+    fingerprint = {"classes": classes, "extensions": IMAGE_EXTENSIONS,
+                   "folders": folder_signature(split_dir / name for name in found)}
+    index = prepare("imagefolder", split_dir, fingerprint, build, prepared_dir)
+    _report_skipped(split_dir, index.meta["skipped"])
+    return SplitIndex(split_dir, StringTable(index["paths"], index["path_offsets"]), index["labels"]), classes
 
 
 def labelled_item(image: torch.Tensor, sample: dict, transform) -> dict:
@@ -103,22 +186,20 @@ class ImageFolderDataset(Dataset):
     :func:`collate_skipping` drops it and counts it in ``batch["skipped"]``.
     """
 
-    def __init__(self, samples: list[tuple[Path, int]], transform, on_bad_image: OnBadImage = "fail",
-                 root: Path | None = None):
+    def __init__(self, samples: SplitIndex, transform, on_bad_image: OnBadImage = "fail", root: Path | None = None):
         self.samples = samples
         self.transform = transform
         self.on_bad_image = on_bad_image
-        self.root = root
+        self.prefix = samples.split_dir if root is None else samples.split_dir.relative_to(root)
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def relative_path(self, index: int) -> str:
-        path = self.samples[index][0]
-        return (path.relative_to(self.root) if self.root is not None else path).as_posix()
+        return (self.prefix / self.samples.paths[index]).as_posix()
 
     def __getitem__(self, index: int) -> dict | None:
-        path, target = self.samples[index]
+        path, target = self.samples.path(index), int(self.samples.labels[index])
         image = guarded(lambda: read_rgb(path), path, self.on_bad_image)
         if image is None:
             return None
@@ -127,8 +208,8 @@ class ImageFolderDataset(Dataset):
 
     def stored_sample(self, index: int) -> dict:
         """What ``python -m datamodules.optimize`` stores for sample ``index``: the file's bytes as they are."""
-        path, target = self.samples[index]
-        return {"index": index, "image": path.read_bytes(), "target": target, "path": self.relative_path(index)}
+        return {"index": index, "image": self.samples.path(index).read_bytes(),
+                "target": int(self.samples.labels[index]), "path": self.relative_path(index)}
 
 
 class ImageFileDataset(Dataset):
@@ -193,6 +274,9 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         streaming_root: a folder or object-store URL written by ``python -m datamodules.optimize --task
             classify``; the splits (same names) are then streamed with LitData and ``root`` is not read
             (:mod:`datamodules.streaming`).
+        prepared_dir: where the splits' prepared file lists are kept (:mod:`datamodules.prepared`;
+            default ``$SUITE_PREPARED_DIR`` or the suite's data cache). The first start lists each
+            split once; later starts and the other ranks map that list.
 
     Batches: see the module docstring.
     """
@@ -209,7 +293,7 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
                  batch_size: int = 128, eval_batch_size: int | None = None, num_workers: int = 4,
                  pin_memory: bool = True, persistent_workers: bool = True,
                  on_bad_image: Literal["fail", "skip"] = "fail", predict_path: str | None = None,
-                 streaming_root: str | None = None):
+                 streaming_root: str | None = None, prepared_dir: str | None = None):
         super().__init__()
         if on_bad_image not in ("fail", "skip"):
             raise ValueError(f"on_bad_image must be 'fail' or 'skip', got {on_bad_image!r}")
@@ -260,8 +344,11 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         if self.streamed is not None:
             item = partial(streamed_labelled_item, transform=transform, on_bad_image=h.on_bad_image)
             return self.streamed.split(split_dir, item, train=train)
-        samples, _ = scan_split(self.root / split_dir, self.classes)
-        return ImageFolderDataset(samples, transform, h.on_bad_image, root=self.root)
+        return ImageFolderDataset(self.split_index(split_dir), transform, h.on_bad_image, root=self.root)
+
+    def split_index(self, split_dir: str) -> SplitIndex:
+        """The samples of a split folder, from its prepared index (:func:`index_split`)."""
+        return index_split(self.root / split_dir, self.classes, self.hparams.prepared_dir)[0]
 
     @property
     def test_dir(self) -> str:
@@ -280,7 +367,7 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
             item = partial(streamed_image_item, transform=self._eval_transform(), on_bad_image=h.on_bad_image)
             return self.streamed.split(self.test_dir, item)
         else:
-            files = [path for path, _ in scan_split(self.root / self.test_dir, self.classes)[0]]
+            files = self.split_index(self.test_dir).files()
         return ImageFileDataset(files, self._eval_transform(), h.on_bad_image)
 
     # -- what python -m datamodules.optimize writes -----------------------------------------------------
@@ -288,8 +375,7 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         """The splits to convert (default: train, val and test when present), each with ``stored_sample``."""
         h = self.hparams
         names = list(splits or [h.train_dir, h.val_dir] + ([h.test_dir] if (self.root / h.test_dir).is_dir() else []))
-        return {name: ImageFolderDataset(scan_split(self.root / name, self.classes)[0], None, root=self.root)
-                for name in names}
+        return {name: ImageFolderDataset(self.split_index(name), None, root=self.root) for name in names}
 
     def streaming_info(self) -> dict:
         """What the model learns from the data, stored with the optimized dataset."""

@@ -105,7 +105,8 @@ def prepare(kind: str, source: Path | str, fingerprint: dict, build: Build,
             JSON-able dict.
     """
     source = Path(source).expanduser().resolve()
-    fingerprint = {"format_version": FORMAT_VERSION, **fingerprint}
+    # as JSON stores it (tuples become lists), so a stored and a current fingerprint compare equal
+    fingerprint = json.loads(json.dumps({"format_version": FORMAT_VERSION, **fingerprint}, default=str))
     key = f"{source.name or 'root'}-{_digest(str(source))}"
     home = prepared_home(prepared_dir) / kind / key
     folder = home / _digest(fingerprint)
