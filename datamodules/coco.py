@@ -1,6 +1,7 @@
 """COCO-layout detection data: ``root/annotations/instances_{split}.json`` + ``root/{split}/*.jpg``.
 
-Annotations are read with pycocotools. Category ids (COCO's run 1..90 with gaps) map to
+Each annotation file is parsed once into a prepared index of flat arrays (:class:`CocoIndex`), which
+later starts, ranks and loader workers memory-map. Category ids (COCO's run 1..90 with gaps) map to
 contiguous labels ``0 .. num_classes - 1`` in sorted-id order and back
 (:attr:`CocoDataModule.category_ids`). Crowd regions are left out of the training targets
 but kept, with their areas, in the ground truth that evaluation sees; images without any
@@ -23,8 +24,8 @@ unreadable images left out of the batch under ``on_bad_image="skip"``; a batch w
 all unreadable is ``{"skipped": n}``.
 
 Faults in the data are errors naming the file and the offending id or value: an annotation file
-that is not JSON, a ``bbox`` that is not 4 numbers or is missing, an image id listed twice, an
-image whose pixel size differs from the annotation file's, a validation/test file declaring
+that is not JSON, a ``bbox`` that is not 4 numbers or is missing, an image id or file name listed
+twice, an image entry without ``width``/``height``, a box of negative size, an image whose pixel size differs from the annotation file's, a validation/test file declaring
 categories the training file does not have. Unreadable image files (truncated, empty, not an
 image) stop with :class:`datamodules.images.BadImageError` unless ``on_bad_image="skip"``.
 """
@@ -50,6 +51,7 @@ from datamodules.detection_common import (DetectionDataModule, ImageFiles,  # no
                                           detection_item, eval_transform, ssd_train_transform, stack_detection,
                                           stack_images)
 from datamodules.images import IMAGENET_MEAN, IMAGENET_STD, OnBadImage, guarded, read_rgb
+from datamodules.prepared import StringTable, file_signature, prepare
 
 DEMO_VERSION = 1
 
@@ -95,6 +97,114 @@ def is_number(value) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
+def _named(value) -> str:
+    """A value as an error message shows it: its repr, and its type when the repr hides it (``'3'``)."""
+    return f"{value!r} (a {type(value).__name__})" if not is_number(value) else repr(value)
+
+
+def _check_images(images: list, annotation_file: Path) -> None:
+    """Every image entry has an id, a file name and a size; ids and file names are unique."""
+    for info in images:
+        missing = [key for key in ("id", "file_name", "width", "height") if key not in info]
+        if missing:
+            raise ValueError(f"{annotation_file}: image {info.get('id', info.get('file_name'))!r} has no "
+                             f"{' / '.join(repr(k) for k in missing)}; every entry of 'images' needs id, file_name, "
+                             "width and height (the pixel size boxes are clipped to and checked against)")
+        if not (is_number(info["width"]) and is_number(info["height"]) and is_number(info["id"])):
+            raise ValueError(f"{annotation_file}: image {_named(info['id'])} has width {_named(info['width'])} and "
+                             f"height {_named(info['height'])}; id, width and height must be numbers")
+    # pycocotools keys images by id, so a second entry would silently replace the first
+    for key, what in (("id", "image id"), ("file_name", "file_name")):
+        counts = Counter(info[key] for info in images)
+        repeated = [value for value, n in counts.items() if n > 1]
+        if repeated:
+            owners = [info["id"] for info in images if info[key] == repeated[0]]
+            raise ValueError(f"{annotation_file}: {what} {repeated[0]!r} is listed more than once in 'images' "
+                             f"(image ids {owners[:5]}; all repeated: {repeated[:10]}"
+                             f"{' ...' if len(repeated) > 10 else ''}); an image would be trained on twice "
+                             "with conflicting boxes")
+
+
+def _check_annotation(ann: dict, annotation_file: Path, images: dict, categories: set) -> None:
+    where = f"{annotation_file}: annotation {ann.get('id')}"
+    if ann.get("image_id") not in images:
+        raise ValueError(f"{where} refers to image_id {_named(ann.get('image_id'))}, which is not in 'images'")
+    if ann.get("category_id") not in categories or not is_number(ann.get("category_id")):
+        raise ValueError(f"{where} has category_id {_named(ann.get('category_id'))}, which is not among the "
+                         f"categories {sorted(categories)}")
+    if "bbox" not in ann:
+        raise ValueError(f"{where} has no 'bbox' (segmentation only?); detection needs a box for every annotation")
+    bbox = ann["bbox"]
+    if not (isinstance(bbox, (list, tuple)) and len(bbox) == 4 and all(is_number(v) for v in bbox)):
+        raise ValueError(f"{where} has bbox {bbox!r}; expected 4 numbers [x, y, width, height]")
+    if bbox[2] < 0 or bbox[3] < 0:
+        raise ValueError(f"{where} has bbox {bbox!r} with a negative width or height; COCO boxes are "
+                         "[x, y, width, height] with width, height >= 0 (x2, y2 written in place of width, height?)")
+
+
+def build_coco_index(annotation_file: Path) -> tuple[dict[str, np.ndarray], dict]:
+    """Parse a COCO annotation file once into flat arrays (see :class:`CocoIndex`), checking every
+    image and annotation; errors name the file and the id or value."""
+    dataset = read_annotation_json(annotation_file)
+    images, annotations = dataset.get("images", []), dataset.get("annotations", [])
+    categories = sorted(({"id": c["id"], "name": c.get("name", str(c["id"]))} for c in dataset.get("categories", [])),
+                        key=lambda c: c["id"])
+    _check_images(images, annotation_file)
+    images = sorted(images, key=lambda info: info["id"])
+    position = {info["id"]: k for k, info in enumerate(images)}
+    category_set = {c["id"] for c in categories}
+    for ann in annotations:
+        _check_annotation(ann, annotation_file, position, category_set)
+    # annotations grouped by image in id order, each image's in file order
+    owner = np.array([position[a["image_id"]] for a in annotations], np.int64)
+    order = np.argsort(owner, kind="stable")
+    annotations = [annotations[k] for k in order]
+    xywh = np.array([a["bbox"] for a in annotations], np.float64).reshape(-1, 4)
+    names, name_offsets = StringTable.encode(info["file_name"] for info in images)
+    arrays = {
+        "image_ids": np.array([info["id"] for info in images], np.int64),
+        "widths": np.array([info["width"] for info in images], np.int32),
+        "heights": np.array([info["height"] for info in images], np.int32),
+        "file_names": names, "file_name_offsets": name_offsets,
+        "ann_offsets": np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=len(images)))]).astype(np.int64),
+        "ann_ids": np.array([a.get("id", -1) for a in annotations], np.int64),
+        "boxes": np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], axis=1).astype(np.float32),
+        "category_ids": np.array([a["category_id"] for a in annotations], np.int64),
+        "iscrowd": np.array([int(a.get("iscrowd", 0)) for a in annotations], np.uint8),
+        # COCOeval sizes objects by the annotation's area (the mask's), not the box's
+        "areas": np.array([float(a.get("area", 0.0)) or (a["bbox"][2] * a["bbox"][3]) for a in annotations],
+                          np.float32),
+    }
+    return arrays, {"categories": categories}
+
+
+class CocoIndex:
+    """A COCO annotation file as flat arrays, parsed once and then memory-mapped
+    (:mod:`datamodules.prepared`): per image ``image_ids``, ``widths``, ``heights``, file names and
+    ``ann_offsets`` (image i owns annotations ``ann_offsets[i]:ann_offsets[i + 1]``); per annotation
+    ``boxes`` (M, 4) xyxy as written, ``category_ids``, ``iscrowd``, ``areas``, ``ann_ids``. Polygons
+    and masks are not kept: detection trains and evaluates on boxes."""
+
+    def __init__(self, annotation_file: Path, prepared_dir: str | None = None):
+        annotation_file = Path(annotation_file)
+        if not annotation_file.is_file():
+            raise FileNotFoundError(f"annotation file {annotation_file} not found (COCO layout: "
+                                    "root/annotations/instances_<split>.json)")
+        index = prepare("coco", annotation_file, {"file": file_signature(annotation_file)},
+                        lambda: build_coco_index(annotation_file), prepared_dir)
+        self.annotation_file = annotation_file
+        self.categories: list[dict] = index.meta["categories"]
+        for name in index:
+            setattr(self, name, index[name])
+        self.file_names = StringTable(index["file_names"], index["file_name_offsets"])
+
+    def __len__(self) -> int:
+        return len(self.image_ids)
+
+    def objects(self, index: int) -> slice:
+        return slice(int(self.ann_offsets[index]), int(self.ann_offsets[index + 1]))
+
+
 class CocoDetection(Dataset):
     """One split of a COCO-layout dataset.
 
@@ -105,117 +215,85 @@ class CocoDetection(Dataset):
     ``gt_labels`` (N,), ``gt_iscrowd`` (N,), ``gt_area`` (N,). Under ``on_bad_image="skip"`` an unreadable
     image file gives ``None`` (dropped and counted by :func:`collate_detection`).
 
-    Training boxes reaching outside the image are clipped to it; boxes with no area left are
-    dropped and counted (:attr:`num_degenerate`, logged once). The evaluation ground truth keeps
-    every annotation as the file has it, so mAP is COCOeval's on that file. An annotation naming an
-    unknown image or category, a ``bbox`` missing or not 4 numbers, an image id listed twice, or
+    The annotation file is read through its prepared :class:`CocoIndex` (parsed once, then mapped by
+    every start, rank and worker). Training boxes reaching outside the image are clipped to it;
+    boxes with no area left are dropped and counted (:attr:`num_degenerate`, logged once). The
+    evaluation ground truth keeps every annotation as the file has it, so mAP is COCOeval's on that
+    file. An annotation naming an unknown image or category, a ``bbox`` missing, not 4 numbers or of
+    negative size, an image id or file name listed twice, an image without ``width``/``height``, or
     (with ``category_ids`` given) a declared category outside ``category_ids`` raises an error naming
-    the file and the id or value; ``category_source`` is the file ``category_ids`` came from, named
-    in that last error. An image whose decoded size differs from the file's ``width``/``height``
-    raises when it is read.
+    the file and the id or value; ``category_source`` is the file ``category_ids`` came from, named in
+    that last error. An image whose decoded size differs from the file's ``width``/``height`` raises
+    when it is read.
     """
 
     def __init__(self, image_dir: Path, annotation_file: Path, transform, category_ids: Sequence[int] | None = None,
-                 on_bad_image: OnBadImage = "fail", category_source: Path | str | None = None):
+                 on_bad_image: OnBadImage = "fail", category_source: Path | str | None = None,
+                 prepared_dir: str | None = None):
         check_on_bad_image(on_bad_image)
         self.image_dir = Path(image_dir)
         self.annotation_file = Path(annotation_file)
         self.transform = transform
         self.on_bad_image = on_bad_image
-        self.coco = load_coco(self.annotation_file)
-        self._check_unique_image_ids()
-        file_categories = sorted(self.coco.cats)
+        self.index = CocoIndex(self.annotation_file, prepared_dir)
+        file_categories = [c["id"] for c in self.index.categories]
         if category_ids is not None:
-            self._check_declared_categories(category_ids, category_source)
+            self._check_declared_categories(file_categories, category_ids, category_source)
         self.category_ids = list(category_ids) if category_ids is not None else file_categories
-        self.label_of = {cat: i for i, cat in enumerate(self.category_ids)}
-        self.image_ids = sorted(self.coco.imgs)
-        self._index_annotations()
+        self.image_ids = self.index.image_ids
+        # category id -> contiguous label, as an array so workers share it
+        self.label_of = np.full(max(self.category_ids, default=0) + 1, -1, np.int64)
+        self.label_of[self.category_ids] = np.arange(len(self.category_ids))
+        self.num_degenerate = self._count_degenerate()
 
-    def _check_unique_image_ids(self) -> None:
-        # pycocotools keys images by id, so a second entry silently replaces the first
-        counts = Counter(info.get("id") for info in self.coco.dataset.get("images", []))
-        repeated = [image_id for image_id, n in counts.items() if n > 1]
-        if repeated:
-            raise ValueError(f"{self.annotation_file}: image id {repeated[0]} is listed more than once in 'images' "
-                             f"(all repeated ids: {repeated[:10]}{' ...' if len(repeated) > 10 else ''})")
-
-    def _check_declared_categories(self, category_ids: Sequence[int], category_source: Path | str | None) -> None:
+    def _check_declared_categories(self, file_categories: list[int], category_ids: Sequence[int],
+                                   category_source: Path | str | None) -> None:
         # a category declared here but absent from training would be ignored by the metric without a word
-        extra = sorted(set(self.coco.cats) - set(category_ids))
+        extra = sorted(set(file_categories) - set(category_ids))
         if extra:
             source = category_source if category_source is not None else "the given category_ids"
             raise ValueError(f"{self.annotation_file} declares category ids {extra}, which {source} does not have "
                              f"(its categories: {list(category_ids)}); the model cannot predict them")
 
-    def _check_bbox(self, ann: dict) -> None:
-        if "bbox" not in ann:
-            raise ValueError(f"{self.annotation_file}: annotation {ann.get('id')} has no 'bbox' "
-                             "(segmentation only?); detection needs a box for every annotation")
-        bbox = ann["bbox"]
-        if not (isinstance(bbox, (list, tuple)) and len(bbox) == 4 and all(is_number(v) for v in bbox)):
-            raise ValueError(f"{self.annotation_file}: annotation {ann.get('id')} has bbox {bbox!r}; "
-                             "expected 4 numbers [x, y, width, height]")
-
-    def _index_annotations(self) -> None:
-        """Check every annotation once and store per image the arrays ``__getitem__`` needs."""
-        per_image: dict[int, list[dict]] = {i: [] for i in self.image_ids}
-        degenerate = []
-        for ann in self.coco.dataset.get("annotations", []):
-            if ann["image_id"] not in per_image:
-                raise ValueError(f"{self.annotation_file}: annotation {ann.get('id')} refers to image_id "
-                                 f"{ann['image_id']}, which is not in 'images'")
-            if ann["category_id"] not in self.label_of:
-                raise ValueError(f"{self.annotation_file}: annotation {ann.get('id')} has category_id "
-                                 f"{ann['category_id']}, which is not among the categories {self.category_ids}")
-            self._check_bbox(ann)
-            per_image[ann["image_id"]].append(ann)
-        self.targets: dict[int, dict[str, np.ndarray]] = {}
-        for image_id, anns in per_image.items():
-            info = self.coco.imgs[image_id]
-            width, height = float(info["width"]), float(info["height"])
-            xywh = np.array([a["bbox"] for a in anns], np.float64).reshape(-1, 4)
-            xyxy = np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], axis=1)
-            clipped = xyxy.clip(0, [width, height, width, height])
-            valid = (clipped[:, 2] > clipped[:, 0]) & (clipped[:, 3] > clipped[:, 1])
-            iscrowd = np.array([int(a.get("iscrowd", 0)) for a in anns], np.int64)
-            labels = np.array([self.label_of[a["category_id"]] for a in anns], np.int64)
-            # COCOeval sizes objects by the annotation's area (the mask's), not the box's
-            area = np.array([float(a.get("area", 0.0)) or (a["bbox"][2] * a["bbox"][3]) for a in anns], np.float32)
-            self.targets[image_id] = {
-                # training: clipped boxes with area, crowds left out later
-                "boxes": clipped[valid].astype(np.float32), "labels": labels[valid], "iscrowd": iscrowd[valid],
-                # evaluation: every annotation as written, exactly what COCOeval reads from the file
-                "gt_boxes": xyxy.astype(np.float32), "gt_labels": labels, "gt_iscrowd": iscrowd, "gt_area": area,
-            }
-            degenerate += [a.get("id") for a, ok in zip(anns, valid) if not ok]
-        self.num_degenerate = len(degenerate)
-        if degenerate:
-            rank_zero_warn(f"{self.annotation_file}: dropped {len(degenerate)} boxes with no area inside the image "
-                           f"(annotation ids {degenerate[:10]}{' ...' if len(degenerate) > 10 else ''})")
+    def _count_degenerate(self) -> int:
+        index = self.index
+        per_object = np.repeat(np.arange(len(index)), np.diff(index.ann_offsets))
+        width, height = index.widths[per_object], index.heights[per_object]
+        x1, y1 = np.maximum(index.boxes[:, 0], 0), np.maximum(index.boxes[:, 1], 0)
+        empty = (np.minimum(index.boxes[:, 2], width) <= x1) | (np.minimum(index.boxes[:, 3], height) <= y1)
+        ids = index.ann_ids[empty]
+        if len(ids):
+            rank_zero_warn(f"{self.annotation_file}: dropped {len(ids)} boxes with no area inside the image "
+                           f"(annotation ids {ids[:10].tolist()}{' ...' if len(ids) > 10 else ''})")
+        return len(ids)
 
     def __len__(self) -> int:
         return len(self.image_ids)
 
-    def image_path(self, image_id: int) -> Path:
-        return self.image_dir / self.coco.imgs[image_id]["file_name"]
+    def image_path(self, index: int) -> Path:
+        return self.image_dir / self.index.file_names[index]
 
     def existing_image(self, index: int) -> Path:
-        image_id = self.image_ids[index]
-        path = self.image_path(image_id)
+        path = self.image_path(index)
         if not path.is_file():
-            raise FileNotFoundError(f"image file {path} of image_id {image_id} ({self.annotation_file}) not found")
+            raise FileNotFoundError(f"image file {path} of image_id {self.image_ids[index]} ({self.annotation_file}) "
+                                    "not found")
         return path
 
     def annotation(self, index: int) -> dict:
         """Sample ``index`` without its pixels: ``image_id``, the annotation file's ``width`` and
-        ``height``, the training objects (crowds left out) and the ground truth (:func:`detection_item`)."""
-        image_id = self.image_ids[index]
-        info, gt = self.coco.imgs[image_id], self.targets[image_id]
-        train = gt["iscrowd"] == 0
-        return {"index": index, "image_id": image_id, "width": int(info["width"]), "height": int(info["height"]),
-                "boxes": gt["boxes"][train], "labels": gt["labels"][train],
-                **{key: gt[key] for key in ("gt_boxes", "gt_labels", "gt_iscrowd", "gt_area")}}
+        ``height``, the training objects (crowds and boxes with no area inside the image left out,
+        the rest clipped to it) and the ground truth as written (:func:`detection_item`)."""
+        objects = self.index.objects(index)
+        width, height = int(self.index.widths[index]), int(self.index.heights[index])
+        gt_boxes = np.array(self.index.boxes[objects])
+        labels = self.label_of[self.index.category_ids[objects]]
+        iscrowd = self.index.iscrowd[objects].astype(np.int64)
+        clipped = gt_boxes.clip(0, [width, height, width, height])
+        train = (clipped[:, 2] > clipped[:, 0]) & (clipped[:, 3] > clipped[:, 1]) & (iscrowd == 0)
+        return {"index": index, "image_id": int(self.image_ids[index]), "width": width, "height": height,
+                "boxes": clipped[train], "labels": labels[train], "gt_boxes": gt_boxes, "gt_labels": labels,
+                "gt_iscrowd": iscrowd, "gt_area": np.array(self.index.areas[objects])}
 
     def __getitem__(self, index: int):
         path = self.existing_image(index)
@@ -233,7 +311,7 @@ class CocoDetection(Dataset):
         relative to the dataset root, and :meth:`annotation`."""
         path = self.existing_image(index)
         return {**self.annotation(index), "image": path.read_bytes(),
-                "path": f"{self.image_dir.name}/{self.coco.imgs[self.image_ids[index]]['file_name']}"}
+                "path": f"{self.image_dir.name}/{self.index.file_names[index]}"}
 
 
 class CocoDataModule(DetectionDataModule):
@@ -262,6 +340,9 @@ class CocoDataModule(DetectionDataModule):
         streaming_root: a folder or object-store URL written by ``python -m datamodules.optimize --task
             detect``; the splits (same names) are then streamed with LitData and ``root`` is not read
             (:mod:`datamodules.streaming`). Target ``path`` is then relative to the dataset's root.
+        prepared_dir: where the annotation files' prepared indexes are kept (:mod:`datamodules.prepared`;
+            default ``$SUITE_PREPARED_DIR`` or the suite's data cache): the first start parses each file
+            once, later starts and the other ranks map its boxes, labels and sizes.
 
     Batches: ``{"image": (B, 3, S, S), "targets": [B dicts], "skipped": int}`` for fit/validate/test
     (target keys in :class:`CocoDetection`), ``{"image", "path": [B str], "orig_size": (B, 2) long,
@@ -275,7 +356,7 @@ class CocoDataModule(DetectionDataModule):
                  mean: tuple[float, float, float] = IMAGENET_MEAN, std: tuple[float, float, float] = IMAGENET_STD,
                  batch_size: int = 32, eval_batch_size: int | None = None, num_workers: int = 4,
                  pin_memory: bool = True, persistent_workers: bool = True, on_bad_image: OnBadImage = "fail",
-                 streaming_root: str | None = None):
+                 streaming_root: str | None = None, prepared_dir: str | None = None):
         super().__init__()
         check_on_bad_image(on_bad_image)
         check_augmentation(augmentation, zoom_out_max)
@@ -309,7 +390,8 @@ class CocoDataModule(DetectionDataModule):
                 raise FileNotFoundError(
                     f"data.root={self.root} does not look like a COCO dataset: expected "
                     f"{self.annotation_file(self.hparams.train_split)} or {self.annotation_file(self.hparams.val_split)}")
-            self._categories = sorted(read_annotation_json(source)["categories"], key=lambda c: c["id"])
+            # the training split's prepared index: this start's only parse of the file, if any
+            self._categories = CocoIndex(source, self.hparams.prepared_dir).categories
             self._categories_file = source
             if not self._categories:
                 raise ValueError(f"{source} lists no categories")
@@ -342,8 +424,9 @@ class CocoDataModule(DetectionDataModule):
             return self.streamed_split(name, train)
         category_ids = self.category_ids  # reads the categories' file first, so it can be named in errors
         dataset = CocoDetection(self.root / name, self.annotation_file(name), self.transform(train), category_ids,
-                                on_bad_image=self.hparams.on_bad_image, category_source=self._categories_file)
-        rank_zero_info(f"{name}: {len(dataset)} images, {len(dataset.coco.anns)} annotations")
+                                on_bad_image=self.hparams.on_bad_image, category_source=self._categories_file,
+                                prepared_dir=self.hparams.prepared_dir)
+        rank_zero_info(f"{name}: {len(dataset)} images, {len(dataset.index.ann_ids)} annotations")
         return dataset
 
     # -- what python -m datamodules.optimize writes -----------------------------------------------------

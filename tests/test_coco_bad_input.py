@@ -189,3 +189,52 @@ def test_evaluation_file_missing_a_training_category_is_fine(root):
     dm.setup("validate")
     assert dm.val_set.category_ids == [1, 4]
     assert {int(t["labels"][0]) for _, t in (dm.val_set[i] for i in range(len(dm.val_set)))} == {1}
+
+
+# -- 8. what real annotation files get wrong (issue 32) ---------------------------------------------
+def test_image_without_width_or_height_names_file_and_image(root):
+    path = annotation_file(root, "val2017")
+    edit(path, lambda d: d["images"][1].pop("width"))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: image 2 has no 'width'; every entry of 'images'"):
+        dataset(root)
+
+
+def test_string_category_id_is_reported_with_its_type(root):
+    path = annotation_file(root, "val2017")
+    edit(path, lambda d: d["annotations"][0].update(category_id="4"))
+    with pytest.raises(ValueError, match=r"annotation 101 has category_id '4' \(a str\), which is not among"):
+        dataset(root)
+
+
+def test_file_name_listed_under_two_image_ids_is_refused(root):
+    path = annotation_file(root, "val2017")
+    edit(path, lambda d: d["images"][3].update(file_name="0002.jpg"))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: file_name '0002.jpg' is listed more than once "
+                                         r"in 'images' \(image ids \[2, 4\]"):
+        dataset(root)
+
+
+def test_negative_box_size_names_file_annotation_and_value(root):
+    path = annotation_file(root, "val2017")
+    edit(path, lambda d: d["annotations"][2].update(bbox=[20.0, 3.0, -10.0, 8.0]))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: annotation 103 has bbox \[20.0, 3.0, -10.0, 8.0\] "
+                                         "with a negative width or height"):
+        dataset(root)
+
+
+def test_each_annotation_file_is_parsed_once_and_then_mapped(root, monkeypatch):
+    """The categories the model links to and the training split come from one parse of the file; a
+    second start parses nothing; an edited file is parsed again."""
+    import datamodules.coco as coco
+
+    parsed = []
+    monkeypatch.setattr(coco, "read_annotation_json", lambda path: parsed.append(path) or json.loads(path.read_text()))
+    for _ in range(2):
+        dm = CocoDataModule(root=str(root), image_size=32, num_workers=0)
+        assert dm.category_ids == [1, 4]
+        dm.setup("fit")
+    assert parsed == [annotation_file(root, "train2017"), annotation_file(root, "val2017")]
+    edit(annotation_file(root, "val2017"), lambda d: d["annotations"].pop())
+    dm = CocoDataModule(root=str(root), image_size=32, num_workers=0)
+    dm.setup("validate")
+    assert parsed[2:] == [annotation_file(root, "val2017")] and len(dm.val_set.index.ann_ids) == 3

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torchvision import tv_tensors
 
-from datamodules.coco import CocoDataModule, CocoDetection, eval_transform, ssd_train_transform
+from datamodules.coco import CocoDataModule, CocoDetection, eval_transform, load_coco, ssd_train_transform
 from datamodules.demo_scenes import (Instance, coco_category_id, generate_scenes, make_scene, scene_seed,
                                      split_digits, write_coco_layout)
 
@@ -87,16 +87,35 @@ def test_labels_are_contiguous_and_map_back_to_category_ids(coco_root):
     assert dm.num_classes == 10 and dm.category_ids == list(range(10, 38, 3))
     assert dm.category_names[3] == "three"
     dataset = dm.split("val2017")
-    for image_id in dataset.image_ids:
-        file_cats = sorted(a["category_id"] for a in dataset.coco.imgToAnns[image_id])
-        assert sorted(dm.category_ids[k] for k in dataset.targets[image_id]["gt_labels"]) == file_cats
+    coco = load_coco(coco_root / "annotations" / "instances_val2017.json")
+    for k, image_id in enumerate(dataset.image_ids):
+        file_cats = sorted(a["category_id"] for a in coco.imgToAnns[image_id])
+        assert sorted(dm.category_ids[label] for label in dataset.annotation(k)["gt_labels"]) == file_cats
+
+
+def test_prepared_index_holds_what_pycocotools_reads(coco_root):
+    """Every image's ground truth from the prepared index equals pycocotools' read of the file."""
+    annotation_file = coco_root / "annotations" / "instances_train2017.json"
+    dataset = CocoDetection(coco_root / "train2017", annotation_file, eval_transform(96, MEAN, STD))
+    coco = load_coco(annotation_file)
+    assert dataset.image_ids.tolist() == sorted(coco.imgs)
+    for k, image_id in enumerate(dataset.image_ids.tolist()):
+        sample, anns, info = dataset.annotation(k), coco.imgToAnns[image_id], coco.imgs[image_id]
+        assert (sample["width"], sample["height"]) == (info["width"], info["height"])
+        assert dataset.image_path(k) == coco_root / "train2017" / info["file_name"]
+        xywh = np.array([a["bbox"] for a in anns], np.float32).reshape(-1, 4)
+        np.testing.assert_allclose(sample["gt_boxes"][:, :2], xywh[:, :2])
+        np.testing.assert_allclose(sample["gt_boxes"][:, 2:] - sample["gt_boxes"][:, :2], xywh[:, 2:], atol=1e-4)
+        assert [dataset.category_ids[label] for label in sample["gt_labels"]] == [a["category_id"] for a in anns]
+        assert sample["gt_iscrowd"].tolist() == [a["iscrowd"] for a in anns]
+        assert sample["gt_area"].tolist() == pytest.approx([a["area"] for a in anns])
 
 
 def test_crowds_stay_out_of_training_targets_but_in_ground_truth(coco_root):
     dataset = CocoDetection(coco_root / "train2017", coco_root / "annotations" / "instances_train2017.json",
                             eval_transform(96, MEAN, STD))
-    crowd_images = [i for i, t in enumerate(dataset.image_ids) if dataset.targets[t]["iscrowd"].any()]
-    empty_images = [i for i, t in enumerate(dataset.image_ids) if len(dataset.targets[t]["boxes"]) == 0]
+    crowd_images = [i for i in range(len(dataset)) if dataset.annotation(i)["gt_iscrowd"].any()]
+    empty_images = [i for i in range(len(dataset)) if len(dataset.annotation(i)["gt_boxes"]) == 0]
     assert crowd_images and empty_images and len(dataset) == 12
     image, target = dataset[crowd_images[0]]
     assert len(target["boxes"]) == len(target["gt_boxes"]) - 1 == int((target["gt_iscrowd"] == 0).sum())
@@ -117,11 +136,11 @@ def test_boxes_are_clipped_and_degenerate_ones_dropped_and_counted(coco_root, tm
         dataset = CocoDetection(tmp_path / "c" / "val2017", tmp_path / "c" / "annotations" / "instances_val2017.json",
                                 eval_transform(96, MEAN, STD))
     assert dataset.num_degenerate == 2
-    first = dataset.coco.dataset["annotations"][0]
-    boxes = dataset.targets[first["image_id"]]["boxes"]
-    assert [0.0, 0.0, 20.0, 15.0] in boxes.tolist()
+    first = json.loads((tmp_path / "c" / "annotations" / "instances_val2017.json").read_text())["annotations"][0]
+    sample = dataset.annotation(dataset.image_ids.tolist().index(first["image_id"]))
+    assert [0.0, 0.0, 20.0, 15.0] in sample["boxes"].tolist()
     # evaluation keeps the file's annotations as they are, as COCOeval does
-    assert [-10.0, -5.0, 20.0, 15.0] in dataset.targets[first["image_id"]]["gt_boxes"].tolist()
+    assert [-10.0, -5.0, 20.0, 15.0] in sample["gt_boxes"].tolist()
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -139,7 +158,7 @@ def test_missing_image_file_names_it(coco_root, tmp_path):
     shutil.copytree(coco_root, tmp_path / "c")
     dataset = CocoDetection(tmp_path / "c" / "val2017", tmp_path / "c" / "annotations" / "instances_val2017.json",
                             eval_transform(96, MEAN, STD))
-    missing = dataset.image_path(dataset.image_ids[0])
+    missing = dataset.image_path(0)
     missing.unlink()
     with pytest.raises(FileNotFoundError, match=f"{missing.name} of image_id {dataset.image_ids[0]}"):
         dataset[0]
@@ -207,7 +226,8 @@ def test_loader_collates_variable_box_counts(coco_root):
     assert all((t["boxes"] >= 0).all() and (t["boxes"] <= 64).all() for t in targets)
     assert all({"boxes", "labels", "image_id", "path", "orig_size", "gt_boxes", "gt_labels", "gt_iscrowd",
                 "gt_area"} <= set(t) for t in targets)
-    assert all(t["path"] == str(dm.train_set.image_path(t["image_id"])) for t in targets)
+    index_of = {image_id: k for k, image_id in enumerate(dm.train_set.image_ids.tolist())}
+    assert all(t["path"] == str(dm.train_set.image_path(index_of[t["image_id"]])) for t in targets)
 
 
 def test_eval_loader_yields_every_image_once_with_its_path(coco_root):
