@@ -156,7 +156,7 @@ def make_loader(dataset: Dataset, *, batch_size: int, num_workers: int, train: b
                 collate_fn: Callable | None = None, trainer=None, seed: int = 0) -> DataLoader:
     """A DataLoader with the suite's conventions: resumable seeded shuffling and drop_last for
     training (pass the datamodule's ``trainer`` to resume mid-epoch), unrepeated distributed
-    sampling for evaluation, workers kept alive between epochs. A split streamed from an optimized
+    sampling for evaluation, training workers kept alive between epochs (evaluation workers are not). A split streamed from an optimized
     dataset (an ``IterableDataset``: :class:`datamodules.streaming.StreamedSplit`) gets LitData's loader
     with the same conventions (:func:`datamodules.streaming.streaming_loader`)."""
     if isinstance(dataset, IterableDataset):
@@ -167,7 +167,9 @@ def make_loader(dataset: Dataset, *, batch_size: int, num_workers: int, train: b
                                 prefetch_factor=prefetch_factor, collate_fn=collate_fn, trainer=trainer, seed=seed)
     extra = {}
     if num_workers > 0:
-        extra["persistent_workers"] = persistent_workers
+        # evaluation workers idle through every training epoch: forking them anew per validation costs
+        # a fraction of a second, keeping them costs their memory for the whole fit
+        extra["persistent_workers"] = persistent_workers and train
         if prefetch_factor is not None:
             extra["prefetch_factor"] = prefetch_factor
     drop_last = train and len(dataset) > batch_size

@@ -33,3 +33,10 @@ def test_loader_workers_run_opencv_on_one_thread_without_deadlock():
                              persistent_workers=False)
         assert {int(t) for batch in loader for t in batch} == {1}
     assert cv2.getNumThreads() == parent_threads  # the main process keeps its threads
+
+
+def test_only_training_workers_outlive_an_epoch():
+    """Evaluation workers would sit idle, holding memory, through every training epoch of a fit."""
+    train = make_loader(OpenCVThreadsInWorker(), batch_size=2, num_workers=2, train=True)
+    evaluation = make_loader(OpenCVThreadsInWorker(), batch_size=2, num_workers=2, train=False)
+    assert train.persistent_workers and not evaluation.persistent_workers
