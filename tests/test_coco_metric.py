@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from datamodules.coco import CocoDetection, eval_transform
+from datamodules.coco import CocoDetection, eval_transform, load_coco
 from datamodules.demo_scenes import write_coco_layout
 from tasks.detect import MAP_KEYS, CocoMeanAveragePrecision, coco_per_class
 
@@ -29,10 +29,10 @@ def synthetic_detections(dataset: CocoDetection, seed: int = 0) -> dict[int, dic
     plus random false positives; a few images get nothing."""
     rng = np.random.default_rng(seed)
     out = {}
-    for image_id in dataset.image_ids:
-        gt = dataset.targets[image_id]
+    for index, image_id in enumerate(dataset.image_ids.tolist()):
+        gt = dataset.annotation(index)
         boxes, labels = [], []
-        for box, label in zip(gt["boxes"], gt["labels"]):
+        for box, label in zip(gt["gt_boxes"], gt["gt_labels"]):
             for _ in range(rng.integers(0, 3)):
                 w, h = box[2] - box[0], box[3] - box[1]
                 boxes.append(box + rng.normal(0, 0.12, 4) * [w, h, w, h])
@@ -50,7 +50,7 @@ def synthetic_detections(dataset: CocoDetection, seed: int = 0) -> dict[int, dic
 
 
 def ground_truth(dataset: CocoDetection, image_id: int) -> dict[str, torch.Tensor]:
-    gt = dataset.targets[image_id]
+    gt = dataset.annotation(dataset.image_ids.tolist().index(image_id))
     return {"boxes": torch.from_numpy(gt["gt_boxes"]), "labels": torch.from_numpy(gt["gt_labels"]),
             "iscrowd": torch.from_numpy(gt["gt_iscrowd"]), "area": torch.from_numpy(gt["gt_area"])}
 
@@ -63,8 +63,9 @@ def pycocotools_stats(dataset: CocoDetection, detections: dict[int, dict]) -> np
         for box, score, label in zip(det["boxes"].tolist(), det["scores"].tolist(), det["labels"].tolist()):
             results.append({"image_id": image_id, "category_id": dataset.category_ids[label],
                             "bbox": [box[0], box[1], box[2] - box[0], box[3] - box[1]], "score": score})
+    coco = load_coco(dataset.annotation_file)  # the reference reads the file itself
     with contextlib.redirect_stdout(io.StringIO()):
-        evaluator = COCOeval(dataset.coco, dataset.coco.loadRes(results), "bbox")
+        evaluator = COCOeval(coco, coco.loadRes(results), "bbox")
         evaluator.evaluate()
         evaluator.accumulate()
         evaluator.summarize()
@@ -74,7 +75,7 @@ def pycocotools_stats(dataset: CocoDetection, detections: dict[int, dict]) -> np
 def test_map_equals_pycocotools_cocoeval(val_set):
     detections = synthetic_detections(val_set)
     metric = CocoMeanAveragePrecision()
-    ids = val_set.image_ids
+    ids = val_set.image_ids.tolist()
     for start in range(0, len(ids), 7):  # several updates, as batches arrive
         chunk = ids[start:start + 7]
         metric.update([detections[i] for i in chunk], [ground_truth(val_set, i) for i in chunk], chunk)
@@ -218,7 +219,7 @@ def test_bad_input_names_the_image():
 
 def test_images_scored_twice_count_once(val_set):
     detections = synthetic_detections(val_set, seed=1)
-    ids = val_set.image_ids
+    ids = val_set.image_ids.tolist()
     once, twice = CocoMeanAveragePrecision(), CocoMeanAveragePrecision()
     once.update([detections[i] for i in ids], [ground_truth(val_set, i) for i in ids], ids)
     padded = ids + ids[:5]  # what a padding DistributedSampler adds
