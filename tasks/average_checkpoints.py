@@ -16,18 +16,21 @@ checkpoint of the task. The training state (optimizer, schedulers, loop position
 RNG states) is left out: an average is no point to resume training from, and ``fit --ckpt_path``
 refuses it. The sources are recorded as ``averaged_from`` (file name and step of each).
 
-Checkpoints of different tasks, with different weight names or shapes, different
-hyper-parameters or a different tokenizer are refused, naming the files.
+Checkpoints of different tasks, with different weight names or shapes, or a different tokenizer
+are refused, naming the files. So are checkpoints of two different training runs (each fit
+records a run id that its resumes keep; older checkpoints are told apart by their wandb group)
+and checkpoints with different hyper-parameters: averaging those is a deliberate choice
+("model soups" of fine-tunings), made with ``--force``.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import torch
 
+from tasks.checkpoint_io import save_atomically
 from tasks.cli import read_checkpoint
 
 #: top-level checkpoint entries that only resuming `fit` reads; an averaged checkpoint has none
@@ -35,18 +38,21 @@ TRAINING_STATE = ("optimizer_states", "lr_schedulers", "loops", "callbacks", "rn
                   # EMAWeightAveraging: the raw weights next to the averaged ones, and its own counters
                   "current_model_state", "averaging_state",
                   # the mixed-precision plugin's gradient scaler
-                  "MixedPrecision")
+                  "MixedPrecision",
+                  # the settings a resume is checked against (tasks.resume)
+                  "suite_resume")
 
 
-def average_checkpoints(paths: list[str | Path]) -> dict:
+def average_checkpoints(paths: list[str | Path], force: bool = False) -> dict:
     """The checkpoint whose ``state_dict`` is the element-wise mean of the given checkpoints'.
 
     The newest checkpoint (highest ``global_step``) supplies integer buffers and everything
-    outside the ``state_dict``; the training state is dropped (:data:`TRAINING_STATE`)."""
+    outside the ``state_dict``; the training state is dropped (:data:`TRAINING_STATE`).
+    ``force`` accepts checkpoints of different runs or hyper-parameters (not of different networks)."""
     if not paths:
         raise ValueError("no checkpoints to average")
     checkpoints = [(Path(p), read_checkpoint(p)) for p in paths]
-    check_averageable(checkpoints)
+    check_averageable(checkpoints, force)
     newest_path, newest = max(checkpoints, key=lambda item: item[1].get("global_step", -1))
 
     sums: dict[str, torch.Tensor] = {}
@@ -72,12 +78,26 @@ def average_checkpoints(paths: list[str | Path]) -> dict:
     return averaged
 
 
-def check_averageable(checkpoints: list[tuple[Path, dict]]) -> None:
+def run_of(checkpoint: dict) -> str | None:
+    """The training run a checkpoint belongs to: its run id, else its wandb group, else ``None``."""
+    run = checkpoint.get("suite_run") or {}
+    if run.get("id"):
+        return f"run {run['id'][:8]} in {run.get('root')}"
+    return f"wandb group {checkpoint['wandb_group']}" if checkpoint.get("wandb_group") else None
+
+
+def check_averageable(checkpoints: list[tuple[Path, dict]], force: bool = False) -> None:
     """Refuse checkpoints that are not snapshots of one network: another task, other weight names,
-    shapes or dtypes, other hyper-parameters or another tokenizer. The message names the files."""
+    shapes or dtypes, or another tokenizer; and, unless ``force``, snapshots of different training
+    runs or with other hyper-parameters. The message names the files."""
     first_path, first = checkpoints[0]
     for path, checkpoint in checkpoints[1:]:
         pair = f"{first_path} and {path}"
+        ours, theirs = run_of(first), run_of(checkpoint)
+        if not force and ours and theirs and ours != theirs:
+            raise ValueError(f"cannot average {pair}: they come from different training runs ({first_path.name}: "
+                             f"{ours}; {path.name}: {theirs}). Average the last checkpoints of one run, or pass "
+                             "--force to average different runs deliberately")
         if checkpoint.get("suite_task") != first.get("suite_task"):
             raise ValueError(f"cannot average checkpoints of different tasks: {first_path} is "
                              f"{first.get('suite_task')}, {path} is {checkpoint.get('suite_task')}")
@@ -93,9 +113,10 @@ def check_averageable(checkpoints: list[tuple[Path, dict]]) -> None:
                                  f"and {tuple(other.shape)} {other.dtype} in the second")
         ours, theirs = first.get("hyper_parameters", {}), checkpoint.get("hyper_parameters", {})
         differing = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
-        if differing:
+        if differing and not force:
             shown = "; ".join(f"{k}: {ours.get(k)!r} vs {theirs.get(k)!r}" for k in differing[:5])
-            raise ValueError(f"cannot average {pair}: their hyper-parameters differ ({shown})")
+            raise ValueError(f"cannot average {pair}: their hyper-parameters differ ({shown}); pass --force "
+                             "to average them deliberately")
         if "tokenizer" in first or "tokenizer" in checkpoint:
             if not ("tokenizer" in first and "tokenizer" in checkpoint
                     and torch.equal(first["tokenizer"], checkpoint["tokenizer"])):
@@ -120,7 +141,7 @@ def last_checkpoints(folder: str | Path, count: int) -> list[Path]:
             continue
         step = int(checkpoint.get("global_step", -1))
         by_step.setdefault(step, path)
-        groups.setdefault(step, checkpoint.get("wandb_group"))
+        groups.setdefault(step, run_of(checkpoint))
     steps = sorted(by_step)[-count:]
     if len(steps) < count:
         raise ValueError(f"--last {count}: {folder} holds checkpoints of {len(by_step)} training step(s) "
@@ -130,20 +151,16 @@ def last_checkpoints(folder: str | Path, count: int) -> list[Path]:
     chosen_groups = {groups[s] for s in steps} - {None}
     if len(chosen_groups) > 1:
         raise ValueError(f"--last {count}: the newest checkpoints in {folder} come from different training runs "
-                         f"(wandb groups {sorted(map(str, chosen_groups))}: "
+                         f"({sorted(map(str, chosen_groups))}: "
                          f"{', '.join(f'{by_step[s].name} {groups[s]}' for s in steps)}). "
                          "Name the checkpoints to average explicitly.")
     return [by_step[s] for s in steps]
 
 
 def save_checkpoint(checkpoint: dict, path: str | Path) -> Path:
-    """Write atomically (a partial file never carries the final name)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    torch.save(checkpoint, partial)
-    os.replace(partial, path)
-    return path
+    """Write atomically (a partial file never carries the final name; see :mod:`tasks.checkpoint_io`)."""
+    save_atomically(checkpoint, path)
+    return Path(path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--last", type=int, metavar="N", help="average the N checkpoints of the folder with the "
                         "highest training steps")
     parser.add_argument("--output", "-o", required=True, help="where to write the averaged checkpoint")
+    parser.add_argument("--force", action="store_true", help="average checkpoints of different training runs or "
+                        "with different hyper-parameters (the networks must still match)")
     args = parser.parse_args(argv)
 
     try:
@@ -172,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         output = Path(args.output)
         if any(output.resolve() == p.resolve() for p in paths):
             parser.error(f"--output {output} is one of the checkpoints to average; write the average elsewhere")
-        averaged = average_checkpoints(paths)
+        averaged = average_checkpoints(paths, force=args.force)
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
     save_checkpoint(averaged, output)

@@ -202,7 +202,28 @@ class TaskModule(LightningModule):
             self.log("data/skipped_images", float(skipped), on_step=False, on_epoch=True, reduce_fx="sum")
         if isinstance(batch, dict) and set(batch) == {"skipped"}:  # every image of the batch was unreadable
             return self.guard_loss(None, batch_idx)
+        self.check_batchnorm_batch(batch, batch_idx)
         return self.guard_loss(self.training_loss(batch, batch_idx), batch_idx)
+
+    def check_batchnorm_batch(self, batch: Any, batch_idx: int) -> None:
+        """Refuse a training batch of one image (``batch["image"]`` (1,C,H,W)) when a BatchNorm
+        layer trains on this rank's batch alone: it cannot take statistics of one value per channel,
+        and PyTorch's own error names neither the batch size nor a remedy."""
+        images = batch.get("image") if isinstance(batch, dict) else None
+        if not torch.is_tensor(images) or images.ndim != 4 or images.shape[0] != 1:
+            return
+        per_rank = [m for m in self.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+                    and not (isinstance(m, nn.SyncBatchNorm) and self.trainer.world_size > 1)]
+        if not per_rank:
+            return
+        datamodule = getattr(self.trainer, "datamodule", None)
+        size = getattr(datamodule, "batch_size", None)
+        raise ValueError(
+            f"a training batch of 1 image at global step {self.global_step} (epoch {self.current_epoch}, "
+            f"batch {batch_idx}; data.batch_size={size}, {self.trainer.world_size} process(es)): the network's "
+            "BatchNorm layers cannot take batch statistics of a single image. Train with --data.batch_size 2 or "
+            "more per process (the training loaders drop an incomplete last batch once the training split holds "
+            "more images than one batch), or give the training split more than one image per process.")
 
     def guard_loss(self, loss: torch.Tensor | None, batch_idx: int) -> torch.Tensor | None:
         """Return ``loss`` if it is finite on every rank; otherwise raise or (``on_nonfinite_loss=skip``)
@@ -210,7 +231,8 @@ class TaskModule(LightningModule):
         (a batch with nothing left to train on) is skipped and counted. Ranks agree on the
         verdict, so DDP never waits on a rank that skipped."""
         empty = loss is None
-        finite = torch.tensor(not empty, device=self.device) if empty else torch.isfinite(loss.detach()).all()
+        # a batch with nothing to train on is not a non-finite loss: finite, but not usable
+        finite = torch.tensor(True, device=self.device) if empty else torch.isfinite(loss.detach()).all()
         usable = finite & torch.tensor(not empty, device=self.device)
         if self.trainer.world_size > 1:
             verdict = torch.stack([finite.float(), usable.float()])

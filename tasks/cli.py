@@ -11,7 +11,14 @@ Defaults shared by all tasks (each overridable from YAML or the command line):
 - a per-step learning-rate monitor; a Rich progress bar on a terminal, plain progress lines
   (:class:`tasks.progress.LineProgress`) when the output goes to a file;
 - a fixed seed;
-- freed CPU memory kept for reuse instead of unmapped (:mod:`tasks.runtime`).
+- freed CPU memory kept for reuse instead of unmapped (:mod:`tasks.runtime`);
+- checkpoints written atomically beside their destination (:mod:`tasks.checkpoint_io`);
+- on ``fit``: SIGTERM / SIGUSR1 stop every rank at a step boundary with ``last.ckpt`` written and
+  exit code ``128 + signal`` (:mod:`tasks.preemption`; ``--preemption.signals`` names others);
+  a resume whose data order, global batch, optimizer or schedule differ from the checkpoint's
+  is refused unless ``--allow_changed`` names the differences, and a second ``fit`` in a run
+  root in use is refused (:mod:`tasks.resume`);
+- a flag placed before a ``--config`` that sets the same key is refused (the recipe would win).
 
 With ``--ckpt_path`` on ``validate``/``test``/``predict`` the checkpoint supplies the model:
 its saved constructor arguments (backbone and head, class names, category ids, vocabulary)
@@ -27,18 +34,22 @@ import sys
 import uuid
 from netrc import netrc
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
 import configs
 from tasks.base import qualified_name
+from tasks.checkpoint_io import AtomicCheckpointIO
+from tasks.preemption import Preemption, resume_command
 from tasks.progress import LineProgress, stdout_is_terminal
+from tasks.resume import ResumeGuard, RunLock, parse_allowed, resume_settings
 from tasks.runtime import reuse_freed_memory
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -85,6 +96,11 @@ class LatestAndBestCheckpoint(ModelCheckpoint):
         super()._save_last_checkpoint(trainer, monitor_candidates)
         self._last_refreshed_step = trainer.global_step
 
+    def save_last_now(self, trainer: Trainer) -> None:
+        """Write ``last.ckpt`` for the current step unless it holds it already (a preempted run's
+        last save, :mod:`tasks.preemption`)."""
+        self._refresh_last(trainer)
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._every_n_train_steps > 0 and trainer.global_step % self._every_n_train_steps == 0:
@@ -127,6 +143,7 @@ class SuiteCLI(LightningCLI):
                  args: Sequence[str] | None = None, run: bool = True):
         reuse_freed_memory()
         self.task = task
+        self.user_argv = list(sys.argv[1:] if args is None else args)  # as typed: for the resume command
         self.monitor = monitor
         self.mode = mode
         argv = list(sys.argv[1:] if args is None else args)
@@ -188,6 +205,11 @@ class SuiteCLI(LightningCLI):
             ],
         })
         parser.set_defaults({"data": {"class_path": self.default_datamodule}})
+        parser.add_argument(
+            "--allow_changed", type=Optional[str], default=None,
+            help="fit --ckpt_path: comma-separated settings (e.g. data.batch_size,model.optimizer) that may differ "
+                 "from the checkpoint's; without it such a resume is refused (see tasks/resume.py)")
+        parser.add_lightning_class_args(Preemption, "preemption")
         parser.add_lightning_class_args(LatestAndBestCheckpoint, "checkpoint")
         parser.set_defaults({
             "checkpoint.monitor": self.monitor,
@@ -239,6 +261,8 @@ class SuiteCLI(LightningCLI):
             trainer.sync_batchnorm = False  # nothing trains: BatchNorm uses its running statistics
         if self.subcommand and config.get("weights_only") is None:
             config.weights_only = True  # our checkpoints hold tensors and plain values: never unpickle code
+        if self.subcommand in (None, "fit"):
+            self.resume_guard = ResumeGuard(resume_settings(config), parse_allowed(config.get("allow_changed")))
         if self.subcommand == "fit" and config.get("ckpt_path") == "last":
             last = Path(config.checkpoint.dirpath) / "last.ckpt"
             if not last.is_file():
@@ -282,6 +306,16 @@ class SuiteCLI(LightningCLI):
         logger = self.trainer.logger if self.trainer is not None else None
         if isinstance(logger, WandbLogger):
             self.model.wandb_group = logger._wandb_init.get("group")
+        for callback in self.trainer.callbacks if self.trainer is not None else []:
+            if isinstance(callback, Preemption):
+                callback.resume_command = resume_command(self.task, self.user_argv, self.trainer.default_root_dir)
+
+    def before_fit(self) -> None:
+        # one fit per run root: a second one would write last-v1.ckpt and overwrite the first's config.
+        # Taken by the launching rank 0 only (DDP children and other ranks run this too)
+        if is_launching_rank_zero(self.trainer):
+            self.run_lock = RunLock(self.trainer.default_root_dir)
+            self.run_lock.acquire()
 
     def _instantiate_trainer(self, config: dict, callbacks: list) -> Trainer:
         # `--trainer.enable_checkpointing false`, `--trainer.enable_progress_bar false` and
@@ -293,6 +327,13 @@ class SuiteCLI(LightningCLI):
         if unwanted:
             callbacks = [c for c in callbacks if not isinstance(c, unwanted)]
             config["callbacks"] = [c for c in config.get("callbacks") or [] if not isinstance(c, unwanted)]
+        # atomic checkpoint files for every task, unless the recipe brings its own CheckpointIO
+        plugins = config.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            config["plugins"] = plugins + [AtomicCheckpointIO()]
+        if getattr(self, "resume_guard", None) is not None:
+            callbacks = [*callbacks, self.resume_guard]
         if not stdout_is_terminal():
             # a redrawn bar in a log file is one frame per run: print plain lines instead
             config["callbacks"] = [LineProgress() if isinstance(c, RichProgressBar) else c
@@ -301,6 +342,8 @@ class SuiteCLI(LightningCLI):
 
     def after_fit(self) -> None:
         trainer = self.trainer
+        if getattr(self, "run_lock", None) is not None:
+            self.run_lock.release()
         if trainer.global_rank != 0:
             return
         lines = [f"run directory:    {Path(trainer.default_root_dir).resolve()}"]
@@ -326,6 +369,13 @@ class SuiteCLI(LightningCLI):
         if self.trainer.global_rank == 0:
             # standard error: translation's predict may be writing its output to standard output
             print(f"predictions:      {self.model.predict_destination}", file=sys.stderr, flush=True)
+
+
+def is_launching_rank_zero(trainer: Trainer) -> bool:
+    """Global rank 0 before DDP has started: the cluster environment's rank (torchrun, SLURM), and
+    not a process that Lightning's launcher started for another local rank or node."""
+    return (trainer.global_rank == 0 and os.environ.get("LOCAL_RANK", "0") == "0"
+            and os.environ.get("NODE_RANK", "0") == "0")
 
 
 def _uses_gpus(accelerator) -> bool:
@@ -418,6 +468,10 @@ def with_default_config(args: list[str], default: Path) -> list[str]:
 
     Each file with a ``base`` key is passed on as the YAML text of its other keys, after the
     files it stacks on; ``--print_config`` shows the result fully resolved.
+
+    LightningCLI applies arguments in order, so a flag before a ``--config`` whose layers set the
+    same key would be overridden without a word (the default recipe, inserted at the first
+    ``--config`` overlay, included): that is refused, naming the flag and the recipe.
     """
     positions = [i for i, a in enumerate(args) if a == "--config" or a.startswith("--config=")]
     if not positions:
@@ -426,7 +480,7 @@ def with_default_config(args: list[str], default: Path) -> list[str]:
                 layers = [flag for layer in recipe_layers(str(default), None) for flag in ("--config", layer)]
                 return args[: i + 1] + layers + args[i + 1:]
         return args
-    out, first = [], True
+    out, first, flags = [], True, {}
     for i, arg in enumerate(args):
         if i in positions and arg.startswith("--config="):
             value = arg.split("=", 1)[1]
@@ -436,11 +490,56 @@ def with_default_config(args: list[str], default: Path) -> list[str]:
             continue  # the value, handled with its flag
         else:
             out.append(arg)
+            if arg.startswith("--") and arg not in ("--print_config",):
+                flags[config_key(arg[2:].split("=", 1)[0].removesuffix("+"))] = arg.split("=", 1)[0]
             continue
-        for layer in recipe_layers(value, default if first else None):
+        layers = recipe_layers(value, default if first else None)
+        check_not_overridden(flags, layers, value)
+        for layer in layers:
             out += ["--config", layer]
         first = False
     return out
+
+
+def config_key(dotted: str) -> str:
+    """A config key without ``init_args`` levels: ``data.init_args.batch_size`` -> ``data.batch_size``."""
+    return ".".join(part for part in dotted.split(".") if part not in ("init_args", "dict_kwargs"))
+
+
+def recipe_keys(layer: str) -> set[str]:
+    """The keys (see :func:`config_key`) a ``--config`` layer (a file or YAML text) sets."""
+    try:
+        is_file = Path(layer).suffix in (".yaml", ".yml") and Path(layer).is_file()
+    except OSError:  # YAML text too long for a file name
+        is_file = False
+    try:
+        content = yaml.safe_load(Path(layer).read_text() if is_file else layer)
+    except (OSError, yaml.YAMLError):
+        return set()
+    keys: set[str] = set()
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}.{key}" if prefix else str(key))
+        elif prefix:
+            keys.add(config_key(prefix))
+
+    walk(content, "")
+    return keys
+
+
+def check_not_overridden(flags: dict[str, str], layers: list[str], recipe: str) -> None:
+    """Refuse flags given before a ``--config`` whose layers set the same key or one above it."""
+    if not flags:
+        return
+    keys = set().union(*(recipe_keys(layer) for layer in layers))
+    for key, flag in flags.items():
+        parts = key.split(".")
+        if any(".".join(parts[:n]) in keys for n in range(1, len(parts) + 1)):
+            raise ValueError(
+                f"{flag} comes before --config {recipe}, which sets {key} too (itself or the recipes it stacks on): "
+                "arguments apply in order, so the recipe's value would silently win. Put the flag after the --config.")
 
 
 def recipe_layers(value: str, default: Path | None, seen: tuple[Path, ...] = ()) -> list[str]:

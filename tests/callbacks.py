@@ -40,3 +40,20 @@ class NaNOutputAtStep(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.step and self._handle is None:
             self._handle = pl_module.register_forward_hook(lambda module, args, output: self._poison(output))
+
+
+class SignalAtStep(Callback):
+    """Sends ``signal`` (a name: SIGTERM, SIGUSR1) to its own process when global step ``step`` is
+    about to run, on global rank ``rank`` only (``-1``: every rank): what a scheduler's pre-emption
+    notice looks like to the rank that receives it, mid-epoch and mid-step."""
+
+    def __init__(self, step: int, signal: str = "SIGTERM", rank: int = -1):
+        self.step = step
+        self.signal = signal
+        self.rank = rank
+        self.sent = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and not self.sent and self.rank in (-1, trainer.global_rank):
+            self.sent = True
+            os.kill(os.getpid(), getattr(signal, self.signal))

@@ -55,7 +55,7 @@ def test_last_n_by_step_and_the_average_is_the_elementwise_mean(run_root):
     assert averaged["global_step"] == 4 and averaged["suite_task"] == "tasks.translate.TranslationTask"
     assert averaged["hyper_parameters"] == newest["hyper_parameters"]
     assert torch.equal(averaged["tokenizer"], newest["tokenizer"])
-    assert not set(TRAINING_STATE) & set(averaged) and "optimizer_states" in newest  # cannot be resumed by mistake
+    assert not set(TRAINING_STATE) & set(averaged) and {"optimizer_states", "suite_resume"} <= set(newest)  # cannot be resumed by mistake
     assert averaged["averaged_from"] == [[p.name, s] for p, s in zip(paths, (2, 3, 4))]
 
 
@@ -110,8 +110,25 @@ def test_too_few_checkpoints_and_mixed_runs_are_refused(run_root, tmp_path):
     folder.mkdir()
     for path, group in zip(last_checkpoints(run_root, 2), ("run-a", "run-b")):
         checkpoint = load(path)
-        checkpoint["wandb_group"] = group
+        checkpoint["suite_run"]["id"] = group
         torch.save(checkpoint, folder / path.name)
     shutil.copy(folder / "step-4.ckpt", folder / "last.ckpt")
-    with pytest.raises(ValueError, match=r"come from different training runs \(wandb groups \['run-a', 'run-b'\]"):
+    with pytest.raises(ValueError, match=r"come from different training runs \(\['run run-a in .*', 'run run-b in .*'\]"):
         last_checkpoints(tmp_path, 2)
+
+
+def test_checkpoints_of_two_runs_are_refused_unless_forced(run_root, tmp_path):
+    """Two runs of the same network and hyper-parameters (here: the same run, relabelled) are not one
+    run's snapshots; averaging them is a choice made with --force."""
+    first, second = last_checkpoints(run_root, 2)
+    assert load(first)["suite_run"] == load(second)["suite_run"]  # one fit: one run id in every checkpoint
+    other = load(second)
+    other["suite_run"] = {"id": "0123456789abcdef", "root": "/elsewhere/runs/translate"}
+    other_path = tmp_path / "other-run.ckpt"
+    torch.save(other, other_path)
+    with pytest.raises(SystemExit, match=rf"different training runs \({first.name}: run [0-9a-f]{{8}} in {run_root}; "
+                                         r"other-run.ckpt: run 01234567 in /elsewhere/runs/translate\).*--force"):
+        main([str(first), str(other_path), "--output", str(tmp_path / "never.ckpt")])
+    assert not (tmp_path / "never.ckpt").exists()
+    main([str(first), str(other_path), "--output", str(tmp_path / "forced.ckpt"), "--force"])
+    assert load(tmp_path / "forced.ckpt")["averaged_from"] == [[first.name, 3], ["other-run.ckpt", 4]]

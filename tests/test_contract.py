@@ -229,15 +229,21 @@ def test_killed_before_the_first_validation_resumes_exactly(task, tmp_path):
     interrupted = torch.load(tmp_path / "resumed/checkpoints/last.ckpt", weights_only=True)
     assert interrupted["global_step"] == 2 and interrupted["epoch"] == 0  # no validation has run yet
     run_task(task, "fit", *run, "--trainer.default_root_dir", "resumed", "--ckpt_path", "last", cwd=tmp_path)
-    straight = torch.load(tmp_path / "straight/checkpoints/last.ckpt", weights_only=True)
-    resumed = torch.load(tmp_path / "resumed/checkpoints/last.ckpt", weights_only=True)
-    assert straight["global_step"] == resumed["global_step"] == 6
+    assert_resumed_equals_straight(tmp_path, steps=6)
+
+
+def assert_resumed_equals_straight(cwd: Path, steps: int) -> None:
+    """``cwd/resumed``'s last.ckpt equals ``cwd/straight``'s: step, weights and optimizer state."""
+    straight = torch.load(cwd / "straight/checkpoints/last.ckpt", weights_only=True)
+    resumed = torch.load(cwd / "resumed/checkpoints/last.ckpt", weights_only=True)
+    assert straight["global_step"] == resumed["global_step"] == steps
     for key, value in straight["state_dict"].items():
         assert torch.equal(value, resumed["state_dict"][key]), key
     s_opt, r_opt = straight["optimizer_states"][0]["state"], resumed["optimizer_states"][0]["state"]
     for i in s_opt:
         for name, value in s_opt[i].items():
             assert torch.equal(value, r_opt[i][name]), (i, name)
+    assert straight["lr_schedulers"] == resumed["lr_schedulers"]
 
 
 # -- every number of metrics.json is the same under 1 and 2 processes -------------------------------------
@@ -362,3 +368,101 @@ def test_sync_batchnorm_recipe_evaluates_on_cpu(fitted, tmp_path):
         SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
                  monitor="val/top1", run=False,
                  args=["--config", str(REPO / "configs/classify/demo_mobilevitv2.yaml"), "--trainer.sync_batchnorm", "true", *QUIET])
+
+
+# -- preemption: SIGTERM mid-epoch stops with last.ckpt and exit code 143; the resume is exact ----------
+def _stopped_and_resumed(task: str, cwd: Path, run: list[str], stop: list[str], timeout: float = 600) -> None:
+    run_task(task, "fit", *run, "--trainer.default_root_dir", "straight", cwd=cwd, timeout=timeout)
+    stopped = run_task(task, "fit", *run, *stop, "--trainer.default_root_dir", "resumed", cwd=cwd, check=False,
+                       timeout=timeout)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "stopped by SIGTERM after global step 2 (epoch 0); exit code 143" in stopped.stderr
+    assert f"last checkpoint:  {cwd / 'resumed/checkpoints/last.ckpt'}" in stopped.stderr
+    resume = stopped.stderr.split("resume with:")[1].splitlines()[0].split()
+    assert resume[:3] == ["python", "-m", f"tasks.{task}"] and resume[-4:] == [
+        "--trainer.default_root_dir", str(cwd / "resumed"), "--ckpt_path", "last"]
+    assert not (cwd / "resumed" / "fit.lock").exists()  # released on the way out
+    interrupted = torch.load(cwd / "resumed/checkpoints/last.ckpt", weights_only=True)
+    assert interrupted["global_step"] == 2 and interrupted["epoch"] == 0  # mid-epoch, before any validation
+    run_task(task, "fit", *run, "--trainer.default_root_dir", "resumed", "--ckpt_path", "last", cwd=cwd,
+             timeout=timeout)
+    assert_resumed_equals_straight(cwd, steps=6)
+
+
+PREEMPTED_RUN = ["--trainer.max_epochs", "2", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "1",
+                 "--checkpoint.every_n_train_steps", "100"]  # last.ckpt only from the epoch ends and the signal
+SIGTERM_AT_STEP_1 = ["--trainer.callbacks+=tests.callbacks.SignalAtStep", "--trainer.callbacks.init_args.step", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["classify", "translate"])
+def test_sigterm_mid_epoch_exits_143_with_last_ckpt_and_resumes_exactly(task, tmp_path):
+    _stopped_and_resumed(task, tmp_path, [*TINY[task], *SHAPE_OVERRIDE[task], *QUIET, *PREEMPTED_RUN],
+                         SIGTERM_AT_STEP_1)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_of_two_processes_stops_both_and_resumes_exactly(tmp_path):
+    """The signal reaches rank 1 only: both ranks stop after the same step."""
+    two = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
+    _stopped_and_resumed("classify", tmp_path, [*TINY["classify"], *SHAPE_OVERRIDE["classify"], *QUIET, *PREEMPTED_RUN,
+                                                *two], [*SIGTERM_AT_STEP_1, "--trainer.callbacks.init_args.rank", "1"],
+                         timeout=900)
+
+
+# -- a resume refuses to drift; one fit per run root; flags the recipe would override --------------------
+@pytest.mark.slow
+def test_resume_with_another_batch_size_or_learning_rate_is_refused(fitted, tmp_path):
+    ckpt = fitted("classify") / "checkpoints" / "last.ckpt"
+    proc = run_task("classify", "fit", *TINY["classify"], *SHAPE_OVERRIDE["classify"], *QUIET, *SHORT_FIT,
+                    "--ckpt_path", str(ckpt), "--data.batch_size", "8", "--model.optimizer.init_args.lr", "0.01",
+                    cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "data.batch_size: 16 -> 8" in proc.stderr and "model.optimizer.init_args.lr: 0.004 -> 0.01" in proc.stderr
+    assert "--allow_changed data.batch_size,model.optimizer.init_args.lr" in proc.stderr
+
+
+def test_cli_installs_atomic_checkpoints_preemption_and_the_resume_guard_and_locks_the_run_root(tmp_path, monkeypatch):
+    import os
+
+    from datamodules.imagefolder import ImageFolderDataModule
+    from tasks.checkpoint_io import AtomicCheckpointIO
+    from tasks.classify import ClassificationTask
+    from tasks.cli import SuiteCLI
+    from tasks.preemption import Preemption
+    from tasks.resume import ResumeGuard, RunInUse, RunLock
+
+    monkeypatch.chdir(tmp_path)
+    cli = SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
+                   monitor="val/top1", run=False,
+                   args=["--config", str(REPO / "configs/classify/demo_mobilevitv2.yaml"), *QUIET, *TINY["classify"],
+                         "--trainer.default_root_dir", "run", "--allow_changed", "data.batch_size, model.scheduler"])
+    assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    preemption = next(c for c in cli.trainer.callbacks if isinstance(c, Preemption))
+    assert preemption.resume_command.endswith(f"--trainer.default_root_dir {tmp_path / 'run'} --ckpt_path last")
+    guard = next(c for c in cli.trainer.callbacks if isinstance(c, ResumeGuard))
+    assert guard.allow_changed == ["data.batch_size", "model.scheduler"]
+    assert guard.settings["data.batch_size"] == 16 and guard.settings["trainer.accumulate_grad_batches"] == 1
+    assert guard.settings["model.optimizer"]["init_args"]["lr"] == 0.004
+    # the run root is held by another live fit on this host: this one refuses before training
+    holder = RunLock(tmp_path / "run")
+    holder.me["pid"] = os.getppid()
+    holder.acquire()
+    with pytest.raises(RunInUse, match=rf"run is in use by another fit: pid {os.getppid()} on host"):
+        cli.before_fit()
+
+
+def test_flag_before_a_recipe_that_sets_it_is_refused():
+    from tasks.cli import recipe_path, with_default_config
+
+    demo = recipe_path("classify", "demo_mobilevitv2.yaml")
+    with pytest.raises(ValueError, match=r"--data.batch_size comes before --config .*demo_mobilevitv2.yaml, which "
+                                         r"sets data.batch_size too .*Put the flag after the --config"):
+        with_default_config(["fit", "--data.batch_size", "8", "--config", str(demo)], demo)
+    # the default recipe is inserted under a first --config overlay: a flag before it would lose to that too
+    overlay = REPO / "configs/classify/demo_mobilevitv2.yaml"
+    with pytest.raises(ValueError, match=r"--model.optimizer.init_args.lr comes before"):
+        with_default_config(["fit", "--model.optimizer.init_args.lr", "0.1", "--config", str(overlay)], demo)
+    # flags after the recipe, or ones no recipe sets, keep working
+    with_default_config(["fit", "--config", str(demo), "--data.batch_size", "8"], demo)
+    with_default_config(["fit", "--trainer.default_root_dir", "x", "--config", str(demo)], demo)

@@ -1,8 +1,8 @@
 """Checkpoint-file mechanics shared by every task: RNG states, named errors for bad files,
-atomic writes. (The task promises themselves are proven on the real tasks in test_contract.py.)"""
+atomic writes (beside the destination, whatever $TMPDIR is; a kill or a full disk during the
+write leaves the previous file); batches the loss guard must tell apart. (The task promises themselves are proven on the real tasks in test_contract.py.)"""
 import errno
 
-import fsspec.implementations.local
 import pytest
 import torch
 import torch.nn as nn
@@ -10,7 +10,9 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
+from tasks import checkpoint_io
 from tasks.base import TaskModule
+from tasks.checkpoint_io import AtomicCheckpointIO
 from tasks.cli import check_checkpoint_file
 
 
@@ -64,17 +66,104 @@ def test_truncated_and_foreign_checkpoints_are_named(tmp_path):
 
 
 def test_failed_checkpoint_write_leaves_the_previous_file_intact(tmp_path, monkeypatch):
-    """Disk full in the middle of writing last.ckpt: the old last.ckpt must survive."""
-    t = trainer(tmp_path)
+    """Disk full in the middle of writing last.ckpt: the old last.ckpt survives, no partial file is
+    left, and the error names the path and the bytes the checkpoint needs."""
+    t = trainer(tmp_path, plugins=[AtomicCheckpointIO()])
     t.fit(PoisonedRegression(poison_step=-1), loader())
     path = tmp_path / "ckpt" / "last.ckpt"
     before = path.read_bytes()
 
-    def disk_full(self, *args, **kwargs):
+    def half_then_disk_full(obj, f, *args, **kwargs):
+        f.write(before[: len(before) // 2])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(fsspec.implementations.local.LocalFileOpener, "write", disk_full)
-    with pytest.raises(OSError, match="No space left"):
+    monkeypatch.setattr(checkpoint_io.torch, "save", half_then_disk_full)
+    with pytest.raises(OSError, match=rf"no space left on device writing checkpoint {path}: it needs about "
+                                      r"[\d,]+ bytes \([\d,]+ bytes free there\)") as full:
         t.save_checkpoint(path)
+    assert full.value.errno == errno.ENOSPC
     assert path.read_bytes() == before
+    assert not any(".tmp-" in p.name for p in path.parent.iterdir())
     torch.load(path, weights_only=True)
+
+
+def test_checkpoints_are_written_beside_their_destination_not_in_tmpdir(tmp_path, monkeypatch):
+    """$TMPDIR on another (small, full, missing) filesystem plays no part: the suite's CLI installs
+    AtomicCheckpointIO for every task."""
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "no-such-tmpdir"))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setattr(tempfile, "mkstemp", lambda *a, **k: pytest.fail("a temporary file outside the run"))
+    trainer(tmp_path, plugins=[AtomicCheckpointIO()]).fit(PoisonedRegression(poison_step=-1), loader())
+    torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert not any(".tmp-" in p.name for p in (tmp_path / "ckpt").iterdir())
+
+
+def test_kill_during_a_checkpoint_write_leaves_the_old_file(tmp_path):
+    """A writer SIGKILLed after writing the whole new file but before renaming it (a forked
+    process, so no interpreter start): the old checkpoint is untouched."""
+    import os
+    import signal
+    import time
+
+    path = tmp_path / "last.ckpt"
+    torch.save({"old": torch.ones(3)}, path)
+    before = path.read_bytes()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the writer
+        real_save = torch.save
+
+        def save_then_hang(obj, f, *args, **kwargs):
+            real_save(obj, f, *args, **kwargs)
+            f.flush()
+            os.write(ready_w, b"1")
+            time.sleep(60)  # killed here
+
+        checkpoint_io.torch.save = save_then_hang
+        try:
+            checkpoint_io.save_atomically({"new": torch.zeros(1000)}, path)
+        finally:
+            os._exit(1)
+    assert os.read(ready_r, 1) == b"1"
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert path.read_bytes() == before
+    assert torch.equal(torch.load(path, weights_only=True)["old"], torch.ones(3))
+    # the killed writer's file has its own name: it never replaces a checkpoint
+    assert [p.name for p in tmp_path.iterdir() if p.name != "last.ckpt"] == [f"last.ckpt.tmp-{pid}"]
+
+
+# -- batches the guard must tell apart ----------------------------------------------------------------
+class SkippedBatches(PoisonedRegression):
+    """Every training batch arrives with all of its images unreadable (``{"skipped": n}``)."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step({"skipped": 4}, batch_idx)
+
+
+def test_all_unreadable_batch_is_skipped_and_counted_in_one_process(tmp_path):
+    model = SkippedBatches(poison_step=-1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning, match="no readable image left in the batch"):
+        trainer(tmp_path).fit(model, loader())  # not "non-finite loss (on another rank)"
+    assert model.skipped_empty_batches == 8 and model.skipped_nonfinite_steps == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class BatchNormNet(TaskModule):
+    def __init__(self):
+        super().__init__(optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+        self.net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+
+    def training_loss(self, batch, batch_idx):
+        return self.net(batch["image"]).mean()
+
+
+def test_training_batch_of_one_with_batchnorm_is_named(tmp_path):
+    images = DataLoader(TensorDataset(torch.randn(1, 3, 8, 8)), batch_size=4,
+                        collate_fn=lambda items: {"image": torch.stack([x for (x,) in items])})
+    with pytest.raises(ValueError, match=r"a training batch of 1 image at global step 0 .*BatchNorm .*"
+                                         r"--data.batch_size 2 or more"):
+        trainer(tmp_path).fit(BatchNormNet(), images)
