@@ -13,7 +13,9 @@ The task's datamodule reads the dataset exactly as training does (a broken annot
 conversion naming its file), and every split becomes a LitData dataset ``OUT/<split>/``; the
 manifest ``OUT/streaming.json``, written last, records the task, the splits and what the model
 learns from the data: class names, COCO categories, the sentencepiece model trained on the
-training split. Encoded images are stored as they are.
+training split. Encoded images are stored as they are. Translation splits also get their token
+arrays, ``OUT/<split>.tokens/`` (the prepared index of :mod:`datamodules.wmt`), which is what a
+streamed translation training reads.
 
 The datamodule is configured as for training: ``--config RECIPE`` takes the recipe's ``data``
 section (its class and arguments); ``--data <class path>``, ``--data.<name> <value>`` (values are
@@ -120,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{key}: {len(dataset)} samples -> {join(args.output, split_folder(key))}", flush=True)
         write_split(args.output, key, len(dataset), dataset.stored_sample, args.num_workers, args.chunk_bytes)
         splits[key] = {"folder": split_folder(key), "samples": len(dataset)}
+        if hasattr(dataset, "store_beside"):  # what a streamed split needs besides its samples (translation)
+            splits[key].update(dataset.store_beside(args.output, split_folder(key)))
     write_manifest(args.output, {
         "format": "visionlang-suite streaming", "version": LAYOUT_VERSION, "task": args.task,
         "layout": cls.streaming_layout, "datamodule": f"{cls.__module__}.{cls.__name__}",

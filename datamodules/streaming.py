@@ -22,6 +22,11 @@ streamed sample is the folder-read one, pixel for pixel.
 - Evaluation: no shuffling, no ``drop_last``: LitData deals every sample to exactly one rank, so
   metrics equal the single-process ones (README, "What every task guarantees").
 
+Translation stores more beside a split's samples: its prepared index (:mod:`datamodules.prepared`:
+token ids, lengths and raw text as flat arrays, ``OUT/<split>.tokens/``), because token batching
+needs every sentence's length on every rank. :func:`write_prepared` writes it, :func:`fetch_prepared`
+maps it in place from a folder or copies it once per machine from an object store.
+
 A root that is not an optimized dataset, one written for another layout, a missing split and a
 sample that cannot be read back are errors naming the folder (and the split and sample).
 """
@@ -32,6 +37,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -46,6 +52,7 @@ from litdata.streaming.sampler import ChunkedIndex
 
 from datamodules.images import BadImageError, _read_with_pil, _to_uint8
 from datamodules.loaders import SingleThreadedWorkers, restart_position, run_seeded, sample_seed
+from datamodules.prepared import PreparedIndex, prepare, prepared_home
 
 MANIFEST = "streaming.json"
 #: bumped when what a sample stores changes; older optimized folders are refused, not misread
@@ -66,6 +73,18 @@ def join(root: str, name: str) -> str:
     return f"{str(root).rstrip('/')}/{name}" if is_remote(root) else str(Path(root).expanduser() / name)
 
 
+def _upload(output: str, local: Path, name: str) -> None:
+    """Put the file ``local`` at ``output/name`` (a folder, or an object store through LitData's uploader)."""
+    if not is_remote(output):
+        target = Path(output).expanduser() / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(local, target)
+        return
+    from litdata.streaming.fs_provider import _get_fs_provider  # LitData's own uploader (s3, gs, r2)
+
+    _get_fs_provider(output).upload_file(str(local), join(output, name))
+
+
 # -- the manifest --------------------------------------------------------------------------------------
 def write_manifest(output: str, manifest: dict) -> None:
     """Write ``OUT/streaming.json`` (last, so a folder with a manifest is a finished conversion)."""
@@ -76,12 +95,10 @@ def write_manifest(output: str, manifest: dict) -> None:
         tmp.write_text(text)
         os.replace(tmp, path)
         return
-    from litdata.streaming.fs_provider import _get_fs_provider  # LitData's own uploader (s3, gs, r2)
-
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp, MANIFEST)
         local.write_text(text)
-        _get_fs_provider(output).upload_file(str(local), join(output, MANIFEST))
+        _upload(output, local, MANIFEST)
 
 
 def read_manifest(root: str, layout: str) -> dict:
@@ -171,6 +188,45 @@ def write_split(output: str, name: str, count: int, stored_sample: Callable[[int
     optimize(fn=stored_sample, inputs=list(range(count)), output_dir=join(output, split_folder(name)),
              chunk_bytes=chunk_bytes, num_workers=max(1, num_workers), mode="overwrite", keep_data_ordered=True,
              start_method="fork" if sys.platform == "linux" else None)
+
+
+def write_prepared(index: PreparedIndex, output: str, folder: str) -> dict:
+    """Store a prepared index as ``output/<folder>/`` (its ``.npy`` files, then ``meta.json``) and return
+    what the manifest's split entry records of it (``tokens``: folder, array names and meta)."""
+    arrays = sorted(index)
+    for name in arrays:
+        _upload(output, index.folder / f"{name}.npy", f"{folder}/{name}.npy")
+    _upload(output, index.folder / "meta.json", f"{folder}/meta.json")  # last: marks a complete copy
+    return {"tokens": {"folder": folder, "arrays": arrays, "meta": index.meta}}
+
+
+def fetch_prepared(root: str, stored: dict, prepared_dir: str | None = None) -> PreparedIndex:
+    """The prepared index :func:`write_prepared` stored under ``root`` (``stored``: its manifest record).
+
+    A folder's copy is mapped where it lies. An object store's is downloaded once into the local
+    prepared cache (:func:`datamodules.prepared.prepare`: one process per machine downloads, the others
+    wait and map it; another conversion at the same URL, with other meta, is downloaded anew)."""
+    url = join(root, stored["folder"])
+    if not is_remote(root):
+        if not (Path(url) / "meta.json").is_file():
+            raise FileNotFoundError(f"{url}/meta.json not found: data.streaming_root={root} is incomplete "
+                                    "(convert it again with python -m datamodules.optimize)")
+        return PreparedIndex(Path(url))
+    home = prepared_home(prepared_dir)
+    home.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=home) as tmp:
+        def download() -> tuple[dict, dict]:
+            downloader = get_downloader(str(root), tmp, [])
+            arrays = {}
+            for name in stored["arrays"]:
+                local = Path(tmp, f"{name}.npy")
+                downloader.download_file(join(url, f"{name}.npy"), str(local))
+                arrays[name] = np.load(local, mmap_mode="r")  # copied from the page cache, not held in memory
+            return arrays, stored["meta"]
+
+        # the URL as an absolute path: the cache key of an object, whatever the working directory
+        key = Path("/", *url.replace("://", "/").split("/"))
+        return prepare("streamed", key, {"url": url, "meta": stored["meta"]}, download, prepared_dir)
 
 
 # -- reading ---------------------------------------------------------------------------------------------

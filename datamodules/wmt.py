@@ -2,10 +2,17 @@
 
 ``root/<split>.<src_lang>`` and ``root/<split>.<tgt_lang>`` for the splits train, valid
 and test (``train.en`` / ``train.de``, ...): one sentence per line, UTF-8, line i of the
-source file translates line i of the target file. Missing files, files of different
-lengths, empty files and non-UTF-8 lines are refused with errors naming the files (and
-the line). With no ``root`` the demo corpus of :mod:`datamodules.demo_text` is built once
-and read the same way.
+source file translates line i of the target file. A byte order mark is ignored and lines may
+end with ``\\n``, ``\\r\\n`` or ``\\r`` (:class:`datamodules.tokenizer.TextLines`), in the splits and
+in ``predict_path`` alike. Missing files, files of different lengths, empty files and non-UTF-8
+lines are refused with errors naming the files (and the line). With no ``root`` the demo corpus
+of :mod:`datamodules.demo_text` is built once and read the same way.
+
+Each split is tokenized once into a prepared index (:mod:`datamodules.prepared`): the token ids
+of all its lines as one flat array with offsets, and the raw text as bytes with line spans. The
+first start builds it (sentencepiece's threads, a chunk of lines at a time); every later start,
+DDP rank and loader worker maps it read-only, and the dataset decodes only the lines of a batch.
+A changed file or vocabulary rebuilds it; ``max_positions`` filters at load, without one.
 
 Batches hold as many sentences as fit into ``max_tokens`` padded tokens per side
 (``batch size x longest sentence <= max_tokens``, fairseq's convention), built from
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -42,80 +50,167 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from datamodules.demo_text import demo_translation_root
 from datamodules.loaders import StreamedSource, restart_position
-from datamodules.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, joint_tokenizer
+from datamodules.prepared import PreparedIndex, file_signature, prepare
+from datamodules.tokenizer import (BOS_ID, EOS_ID, PAD_ID, TextLines, Tokenizer, decode_lines, joint_tokenizer,
+                                   read_lines)
 
 log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------
-# reading
+# reading: every split is tokenized once into a prepared index that all ranks and workers map
 # ---------------------------------------------------------------------------------------------
-def read_lines(path: Path) -> list[str]:
-    """Lines of a UTF-8 file (``\\n`` separated, trailing ``\\r`` removed); a byte sequence that
-    is not UTF-8 raises ``ValueError`` naming the file and the 1-based line."""
-    return decode_lines(Path(path).read_bytes(), str(path))
-
-
-def decode_lines(data: bytes, name: str) -> list[str]:
-    """:func:`read_lines` for bytes already read (``name`` is what errors call them)."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        raise ValueError(f"{name}: line {line} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
+#: bump when what a prepared WMT index holds, or how its lines are read, changes
+INDEX_VERSION = 1
+#: lines tokenized at a time while preparing: bounds the memory of the Python strings in flight
+ENCODE_CHUNK = 100_000
 
 
 def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]:
+    """Both files' lines as lists (small files: demo data, benchmarks); different counts raise."""
     src, tgt = read_lines(src_path), read_lines(tgt_path)
-    if len(src) != len(tgt):
-        raise ValueError(f"parallel files differ in length: {src_path} has {len(src)} lines, "
-                         f"{tgt_path} has {len(tgt)} lines")
+    _check_counts(src_path, len(src), tgt_path, len(tgt))
     return src, tgt
 
 
-class ParallelText(Dataset):
-    """Tokenized pairs of one split. Item i -> (index, src ids + eos, target ids, raw src, raw tgt)."""
+def _check_counts(src_path, src_count: int, tgt_path, tgt_count: int) -> None:
+    if src_count != tgt_count:
+        raise ValueError(f"parallel files differ in length: {src_path} has {src_count} lines, "
+                         f"{tgt_path} has {tgt_count} lines")
 
-    def __init__(self, src_text: list[str], tgt_text: list[str], tokenizer: Tokenizer, max_positions: int,
-                 *, training: bool, name: str = ""):
-        src_ids = tokenizer.encode(src_text)
-        tgt_ids = tokenizer.encode(tgt_text)
-        # the decoder sees bos + target and predicts target + eos: T = len(target) + 1 positions
-        limit = max_positions - 1
-        keep = list(range(len(src_text)))
-        if training:
-            empty = [i for i in keep if not src_text[i].strip() or not tgt_text[i].strip()]
-            long = [i for i in keep if len(src_ids[i]) > limit or len(tgt_ids[i]) > limit]
-            dropped = set(empty) | set(long)
-            if dropped:
-                log.warning("%s: dropped %d of %d pairs (%d empty, %d longer than %d tokens)", name, len(dropped),
-                            len(keep), len(empty), len(long), limit)
-            keep = [i for i in keep if i not in dropped]
-            if not keep:  # otherwise Lightning's generic "length of DataLoader is zero"
-                raise ValueError(f"{name}: none of the {len(src_text)} pairs can be trained on ({len(empty)} empty, "
-                                 f"{len(long)} longer than {limit} tokens)")
-        else:
-            # every evaluation line is scored; over-long sources are cut, not dropped
-            cut = sum(len(src_ids[i]) > limit for i in keep)
-            if cut:
-                log.warning("%s: %d of %d source lines truncated to %d tokens", name, cut, len(keep), limit)
-        self.index = np.asarray(keep, dtype=np.int64)
-        self.src = [np.asarray(src_ids[i][:limit] + [EOS_ID], dtype=np.int64) for i in keep]
-        self.tgt = [np.asarray(tgt_ids[i][:limit], dtype=np.int64) for i in keep]
-        self.src_text = [src_text[i] for i in keep]
-        self.tgt_text = [tgt_text[i] for i in keep]
-        self.src_lengths = np.asarray([len(s) for s in self.src], dtype=np.int64)
-        self.tgt_lengths = np.asarray([len(t) + 1 for t in self.tgt], dtype=np.int64)
+
+def _join(chunks: list[np.ndarray], dtype) -> np.ndarray:
+    """``np.concatenate`` that frees each chunk once copied: about one copy in memory at a time, not two."""
+    out = np.empty(sum(len(chunk) for chunk in chunks), dtype=dtype)
+    at = 0
+    while chunks:
+        chunk = chunks.pop(0)
+        out[at : at + len(chunk)] = chunk
+        at += len(chunk)
+    return out
+
+
+def build_index(src_path: Path, tgt_path: Path, tokenizer: Tokenizer, split: str) -> tuple[dict, dict]:
+    """The prepared index of one split: ``(arrays, meta)`` for :func:`datamodules.prepared.prepare`.
+
+    Arrays (N pairs): ``tokens``, the ids of every source line then every target line, uint16 when
+    the vocabulary fits (int32 otherwise); ``src_offsets``/``tgt_offsets`` (N + 1,) int64, line i's
+    ids are ``tokens[offsets[i]:offsets[i + 1]]``; ``src_blank``/``tgt_blank`` (N,) bool, the line is
+    empty or whitespace; ``src_text``/``tgt_text`` the files' bytes with ``*_starts``/``*_ends`` (N,)
+    int64, line i's byte span (line break and BOM excluded).
+
+    Lines are tokenized :data:`ENCODE_CHUNK` at a time by sentencepiece's threads, so memory holds
+    one chunk's strings and the arrays, never a Python object per line of the corpus."""
+    sides = TextLines.of_file(src_path), TextLines.of_file(tgt_path)
+    _check_counts(src_path, len(sides[0]), tgt_path, len(sides[1]))
+    if not len(sides[0]):  # otherwise Lightning's generic "length of DataLoader is zero"
+        raise ValueError(f"{src_path} and {tgt_path} are empty: the {split} split has no sentences")
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
+    threads = max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()))
+    arrays, tokens, start = {}, [], 0
+    for side, lines in zip(("src", "tgt"), sides):
+        lengths, blank = [], []
+        for texts in lines.chunks(ENCODE_CHUNK):
+            ids, counts = tokenizer.encode_flat(texts, num_threads=threads)
+            tokens.append(ids.astype(dtype))
+            lengths.append(counts)
+            blank.append(np.fromiter((not text.strip() for text in texts), dtype=bool, count=len(texts)))
+        offsets = np.zeros(len(lines) + 1, dtype=np.int64)
+        np.cumsum(np.concatenate(lengths), out=offsets[1:])
+        arrays[f"{side}_offsets"] = offsets + start
+        start += int(offsets[-1])
+        arrays[f"{side}_blank"] = np.concatenate(blank)
+        arrays.update({f"{side}_text": lines.data, f"{side}_starts": lines.starts, f"{side}_ends": lines.ends})
+    arrays["tokens"] = _join(tokens, dtype)
+    meta = {"lines": len(sides[0]), "tokenizer": tokenizer.fingerprint, "dtype": np.dtype(dtype).name,
+            "source": str(src_path), "target": str(tgt_path)}
+    return arrays, meta
+
+
+def index_fingerprint(src_path: Path, tgt_path: Path, tokenizer: Tokenizer) -> dict:
+    """What a prepared index depends on: the files (size, mtime and ctime: a file replaced with its
+    mtime kept still gets a new ctime), the vocabulary and the index layout. Not ``max_positions``:
+    filtering happens when the index is loaded."""
+    def signature(path: Path) -> dict:
+        return {**file_signature(path), "ctime_ns": path.stat().st_ctime_ns, "path": str(path.resolve())}
+
+    return {"wmt_index": INDEX_VERSION, "src": signature(src_path), "tgt": signature(tgt_path),
+            "tokenizer": tokenizer.fingerprint}
+
+
+def prepare_split(src_path: Path, tgt_path: Path, tokenizer: Tokenizer, split: str,
+                  prepared_dir: str | None = None) -> PreparedIndex:
+    """The prepared index of the pair of files (built once, then memory-mapped)."""
+    # keyed by the pair (not the source file alone): en-de and en-fr beside one train.en do not evict each other
+    pair = src_path.parent / f"{src_path.name}-{tgt_path.suffix.lstrip('.')}"
+    return prepare("wmt", pair, index_fingerprint(src_path, tgt_path, tokenizer),
+                   lambda: build_index(src_path, tgt_path, tokenizer, split), prepared_dir)
+
+
+class Lines:
+    """The raw lines of one side of a prepared index, decoded one at a time from its mapped bytes."""
+
+    def __init__(self, index: PreparedIndex, side: str):
+        self.data, self.starts, self.ends = index[f"{side}_text"], index[f"{side}_starts"], index[f"{side}_ends"]
 
     def __len__(self) -> int:
-        return len(self.src)
+        return len(self.starts)
+
+    def __getitem__(self, line: int) -> str:
+        return self.data[int(self.starts[line]) : int(self.ends[line])].tobytes().decode("utf-8")
+
+
+class ParallelText(Dataset):
+    """Tokenized pairs of one split, read from its prepared index (:func:`prepare_split`).
+    Item i -> (line, src ids + eos (S,) int64, target ids (T,) int64, raw src, raw tgt).
+
+    Training drops pairs with an empty side or more than ``max_positions - 1`` tokens on a side
+    (counted in a warning); evaluation keeps every line and cuts long sources. Both work on the
+    index's length arrays, so another ``max_positions`` needs no new tokenization. The dataset
+    holds arrays only (the mapped index, kept line numbers, lengths): forked loader workers share
+    them instead of copying millions of Python objects."""
+
+    def __init__(self, index: PreparedIndex, max_positions: int, *, training: bool, name: str = ""):
+        self.tokens = index["tokens"]
+        self.src_offsets, self.tgt_offsets = index["src_offsets"], index["tgt_offsets"]
+        self.src_lines, self.tgt_lines = Lines(index, "src"), Lines(index, "tgt")
+        src_len, tgt_len = np.diff(self.src_offsets), np.diff(self.tgt_offsets)
+        total = len(src_len)
+        # the decoder sees bos + target and predicts target + eos: T = len(target) + 1 positions
+        limit = max_positions - 1
+        if training:
+            empty = np.asarray(index["src_blank"]) | np.asarray(index["tgt_blank"])
+            long = (src_len > limit) | (tgt_len > limit)
+            keep = np.flatnonzero(~(empty | long))
+            dropped = total - len(keep)
+            if dropped:
+                log.warning("%s: dropped %d of %d pairs (%d empty, %d longer than %d tokens)", name, dropped, total,
+                            empty.sum(), long.sum(), limit)
+            if not len(keep):  # otherwise Lightning's generic "length of DataLoader is zero"
+                raise ValueError(f"{name}: none of the {total} pairs can be trained on ({empty.sum()} empty, "
+                                 f"{long.sum()} longer than {limit} tokens)")
+        else:
+            # every evaluation line is scored; over-long sources are cut, not dropped
+            keep = np.arange(total)
+            cut = int((src_len > limit).sum())
+            if cut:
+                log.warning("%s: %d of %d source lines truncated to %d tokens", name, cut, total, limit)
+        self.index = keep.astype(np.int64)
+        self.src_lengths = (np.minimum(src_len[keep], limit) + 1).astype(np.int32)  # eos included
+        self.tgt_lengths = (np.minimum(tgt_len[keep], limit) + 1).astype(np.int32)  # eos (or bos) included
+
+    def __len__(self) -> int:
+        return len(self.index)
 
     def __getitem__(self, i: int):
-        return int(self.index[i]), self.src[i], self.tgt[i], self.src_text[i], self.tgt_text[i]
+        line = int(self.index[i])
+        n, start = int(self.src_lengths[i]) - 1, int(self.src_offsets[line])
+        src = np.empty(n + 1, dtype=np.int64)
+        src[:n] = self.tokens[start : start + n]
+        src[n] = EOS_ID
+        start = int(self.tgt_offsets[line])
+        tgt = self.tokens[start : start + int(self.tgt_lengths[i]) - 1].astype(np.int64)
+        return line, src, tgt, self.src_lines[line], self.tgt_lines[line]
 
     @property
     def num_tokens(self) -> np.ndarray:
@@ -123,17 +218,25 @@ class ParallelText(Dataset):
         return np.maximum(self.src_lengths, self.tgt_lengths)
 
 
-class TextPairs:
-    """The lines of one split, as ``python -m datamodules.optimize`` stores them (one sample a line)."""
+class StoredPairs:
+    """One split as ``python -m datamodules.optimize`` stores it: a LitData sample per line
+    (``stored_sample``) and, beside the samples, the split's prepared index (``store_beside``),
+    which is what a streamed training reads."""
 
-    def __init__(self, src: list[str], tgt: list[str]):
-        self.src, self.tgt = src, tgt
+    def __init__(self, index: PreparedIndex):
+        self.prepared = index
+        self.src, self.tgt = Lines(index, "src"), Lines(index, "tgt")
 
     def __len__(self) -> int:
         return len(self.src)
 
     def stored_sample(self, index: int) -> dict:
         return {"index": index, "src": self.src[index], "tgt": self.tgt[index]}
+
+    def store_beside(self, output: str, folder: str) -> dict:
+        from datamodules.streaming import write_prepared
+
+        return write_prepared(self.prepared, output, f"{folder}.tokens")
 
 
 def collate(items) -> dict:
@@ -279,10 +382,15 @@ class TranslationDataModule(StreamedSource, LightningDataModule):
             ``vocab_size`` and ``vocabulary_fingerprint`` are then ``None``.
         predict_batch_size: sentences per ``predict`` batch (kept in file order).
         streaming_root: a folder or object-store URL written by ``python -m datamodules.optimize --task
-            translate``; the splits' sentence pairs and the sentencepiece model are then read from it with
-            LitData (every rank reads a whole split into memory, as from files, and batches it by tokens as
-            above) and ``root`` is not read. ``vocab_size`` and the tokenizer settings are the optimized
-            dataset's (:mod:`datamodules.streaming`).
+            translate``; the splits' token arrays (their prepared indexes, stored beside the LitData
+            samples) and the sentencepiece model are then read from it, and ``root`` is not read. A folder's
+            arrays are mapped where they lie; an object store's are copied once into the local prepared cache
+            (``prepared_dir``). Batching is the same as from files. ``vocab_size`` and the tokenizer settings
+            are the optimized dataset's (:mod:`datamodules.streaming`).
+        prepared_dir: where the splits' prepared indexes live (token ids, lengths and raw text as
+            flat arrays, tokenized once and memory-mapped by every later start, rank and worker; see
+            :mod:`datamodules.prepared`). Default: ``$SUITE_PREPARED_DIR``, else ``prepared/`` in the
+            suite's data cache. The dataset folder itself may be read-only.
     """
 
     streaming_task, streaming_layout = "translate", "translation"
@@ -306,6 +414,7 @@ class TranslationDataModule(StreamedSource, LightningDataModule):
         predict_path: str | None = None,
         predict_batch_size: int = 32,
         streaming_root: str | None = None,
+        prepared_dir: str | None = None,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -388,31 +497,42 @@ class TranslationDataModule(StreamedSource, LightningDataModule):
     pad_id, bos_id, eos_id = PAD_ID, BOS_ID, EOS_ID
 
     # -- splits ----------------------------------------------------------------------------------
+    def prepared(self, split: str) -> tuple[PreparedIndex, str]:
+        """The split's prepared index (tokenized once, then mapped) and the name warnings give it."""
+        if self.streamed is not None:
+            return self._streamed_index(split), self.streamed.url(split)
+        src_file, tgt_file = self._existing_files(split)
+        index = prepare_split(src_file, tgt_file, self.tokenizer, split, self.hparams.prepared_dir)
+        return index, str(src_file.with_suffix(""))
+
     def dataset(self, split: str, training: bool = False) -> ParallelText:
         if split not in self.datasets:
-            if self.streamed is not None:
-                src, tgt, name = self._streamed_pairs(split)
-            else:
-                src_file, tgt_file = self._existing_files(split)
-                src, tgt = read_parallel(src_file, tgt_file)
-                if not src:  # otherwise Lightning's generic "length of DataLoader is zero"
-                    raise ValueError(f"{src_file} and {tgt_file} are empty: the {split} split has no sentences")
-                name = str(src_file.with_suffix(""))
-            self.datasets[split] = ParallelText(src, tgt, self.tokenizer, self.max_positions, training=training,
-                                                name=name)
+            index, name = self.prepared(split)
+            self.datasets[split] = ParallelText(index, self.max_positions, training=training, name=name)
         return self.datasets[split]
 
-    def _streamed_pairs(self, split: str) -> tuple[list[str], list[str], str]:
-        """The split's lines in file order, read whole through LitData (chunks downloaded and cached)."""
-        samples = self.streamed.split(split, make_item=None).stored_samples()
-        samples.sort(key=lambda sample: int(sample["index"]))
-        return [s["src"] for s in samples], [s["tgt"] for s in samples], self.streamed.url(split)
+    def _streamed_index(self, split: str) -> PreparedIndex:
+        """The split's prepared index stored beside its LitData samples, mapped in place from a folder
+        or copied once from an object store into the local prepared cache."""
+        from datamodules.streaming import fetch_prepared, split_key
+
+        url = self.streamed.url(split)  # a split the dataset lacks is named here
+        entry = self.streamed.manifest["splits"][split_key(split)]
+        if "tokens" not in entry:
+            raise ValueError(f"data.streaming_root={self.streamed.root} was optimized before splits carried their "
+                             "token arrays: convert it again with python -m datamodules.optimize --task translate")
+        index = fetch_prepared(self.streamed.root, entry["tokens"], self.hparams.prepared_dir)
+        if index.meta["tokenizer"] != self.tokenizer.fingerprint:
+            raise ValueError(f"{url}: its token arrays were made with vocabulary {index.meta['tokenizer']}, not "
+                             f"the dataset's {self.tokenizer.fingerprint}: convert it again")
+        return index
 
     # -- what python -m datamodules.optimize writes -----------------------------------------------------
-    def streaming_sources(self, splits: Sequence[str] | None = None) -> dict[str, "TextPairs"]:
-        """The splits to convert (default: train, valid and test), each with ``stored_sample``."""
+    def streaming_sources(self, splits: Sequence[str] | None = None) -> dict[str, StoredPairs]:
+        """The splits to convert (default: train, valid and test), each with ``stored_sample`` and
+        ``store_beside`` (the prepared index a streamed training reads)."""
         names = splits or [name for name in self.splits.values() if all(f.is_file() for f in self.files(name))]
-        return {name: TextPairs(*read_parallel(*self._existing_files(name))) for name in names}
+        return {name: StoredPairs(self.prepared(name)[0]) for name in names}
 
     def streaming_info(self) -> dict:
         """The language pair, the sentencepiece model trained on the training split (base64) and the

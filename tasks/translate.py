@@ -31,6 +31,7 @@ from typing import Literal
 import sacrebleu
 import torch
 from sacremoses import MosesTokenizer
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from backbones.transformer import TransformerEncoder
@@ -145,6 +146,7 @@ class TranslationTask(TaskModule):
         self.predict_output = predict_output
         self.eval_nll = MeanMetric()
         self._rows: list[tuple[int, str, str, str]] = []
+        self._cut_lines: list[int] = []  # predict: lines whose source was truncated
         self._tokenizer: Tokenizer | None = None
 
     # -- model -----------------------------------------------------------------------------------
@@ -209,9 +211,14 @@ class TranslationTask(TaskModule):
             mismatches.append(f"sentencepiece vocabulary: model {self._tokenizer.fingerprint} vs data {theirs}")
         return mismatches
 
-    def encode_sources(self, texts: list[str]) -> torch.Tensor:
-        """Raw source lines -> (B, S) padded ids ending in eos, cut to ``max_positions - 1`` tokens."""
-        ids = [seq[: self.max_positions - 1] + [self.eos_id] for seq in self.tokenizer.encode(texts)]
+    def encode_sources(self, texts: list[str], cut: list[int] | None = None) -> torch.Tensor:
+        """Raw source lines -> (B, S) padded ids ending in eos, cut to ``max_positions - 1`` tokens.
+        ``cut``, when given, is extended with the rows that were cut."""
+        limit = self.max_positions - 1
+        encoded = self.tokenizer.encode(texts)
+        if cut is not None:
+            cut += [row for row, seq in enumerate(encoded) if len(seq) > limit]
+        ids = [seq[:limit] + [self.eos_id] for seq in encoded]
         src = torch.full((len(ids), max(len(seq) for seq in ids)), self.pad_id, dtype=torch.long)
         for row, seq in enumerate(ids):
             src[row, : len(seq)] = torch.tensor(seq)
@@ -321,16 +328,25 @@ class TranslationTask(TaskModule):
 
     # -- predict ---------------------------------------------------------------------------------
     def on_predict_epoch_start(self) -> None:
-        self._rows = []
+        self._rows, self._cut_lines = [], []
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[str]:
-        hyps = self.tokenizer.decode(self.translate(self.encode_sources(batch["src_text"])).tokens.tolist())
+        cut: list[int] = []
+        hyps = self.tokenizer.decode(self.translate(self.encode_sources(batch["src_text"], cut)).tokens.tolist())
         self._rows += zip(batch["index"].tolist(), hyps)
+        self._cut_lines += [int(batch["index"][row]) for row in cut]
         return hyps
 
     def on_predict_epoch_end(self) -> None:
         rows = sorted(self.all_gather_objects(self._rows))
         self._rows = []
+        cut = sorted(set(self.all_gather_objects(self._cut_lines)))
+        self._cut_lines = []
+        if cut:
+            limit = self.max_positions - 1
+            rank_zero_warn(f"predict: {len(cut)} of {len(dict(rows))} lines had more than {limit} tokens and were "
+                           f"truncated to {limit} tokens (the model's max_positions {self.max_positions}, eos "
+                           f"included); the first is line {cut[0] + 1}")
         if self.global_rank != 0:
             return
         lines = [h for _, h in dict(rows).items()]  # a sampler that pads would repeat indices

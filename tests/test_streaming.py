@@ -139,14 +139,24 @@ def test_streamed_segmentation_and_translation_give_the_folder_data(optimized):
         seen += 1
     assert seen == len(folder_set)
 
+    import numpy as np
+
+    # translation reads the token arrays stored beside the samples: mapped in place from a folder, and
+    # downloaded once into the prepared cache from a store (local: reads the folder as one)
     root = optimized("translate", "--data.vocab_size", "500")
-    streamed, folder = (TranslationDataModule(vocab_size=500, streaming_root=str(root)),
-                        TranslationDataModule(vocab_size=500))
-    assert streamed.vocabulary_fingerprint == folder.vocabulary_fingerprint and streamed.vocab_size == folder.vocab_size
-    for split in ("train", "valid", "test"):
-        a, b = streamed.dataset(split, training=split == "train"), folder.dataset(split, training=split == "train")
-        assert a.src_text == b.src_text and a.tgt_text == b.tgt_text and list(a.index) == list(b.index)
-        assert all((x == y).all() for x, y in zip(a.src, b.src)) and all((x == y).all() for x, y in zip(a.tgt, b.tgt))
+    folder = TranslationDataModule(vocab_size=500)
+    for streaming_root in (str(root), f"local:{root}"):
+        streamed = TranslationDataModule(vocab_size=500, streaming_root=streaming_root)
+        assert streamed.vocabulary_fingerprint == folder.vocabulary_fingerprint
+        assert streamed.vocab_size == folder.vocab_size
+        for split in ("train", "valid", "test"):
+            a, b = streamed.dataset(split, training=split == "train"), folder.dataset(split, training=split == "train")
+            assert list(a.index) == list(b.index) and list(a.num_tokens) == list(b.num_tokens)
+            for i in range(len(b)):
+                x, y = a[i], b[i]
+                assert x[0] == y[0] and (x[1] == y[1]).all() and (x[2] == y[2]).all() and x[3:] == y[3:]
+        index = streamed.dataset("train").tokens
+        assert isinstance(index, np.memmap) and (str(root) in str(index.filename)) == (streaming_root == str(root))
 
 
 def test_streamed_training_items_carry_the_folder_augmentation_seeds(optimized):

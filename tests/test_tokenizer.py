@@ -143,3 +143,30 @@ def test_an_empty_training_file_is_refused_by_name(files):
     files[1].write_bytes(b"")
     with pytest.raises(ValueError, match=r"train\.de is empty: it has no sentences"):
         joint_tokenizer(files, 200, name="spm.en-de")
+
+
+def test_the_content_hash_is_remembered_until_a_file_changes_in_any_way(files, monkeypatch):
+    """Later starts stat the training files instead of hashing them; a file rewritten with its size and
+    modification time kept (``cp -p``) has a new ctime and is hashed again."""
+    import time
+
+    import datamodules.tokenizer as tokenizer_module
+    from datamodules.tokenizer import remembered_data_fingerprint
+
+    monkeypatch.setattr(tokenizer_module, "RACY_SECONDS", -60.0)  # files written just now count as settled
+    first = remembered_data_fingerprint(files)
+    assert first == data_fingerprint(files)
+
+    def no_hashing(files):
+        raise AssertionError("the files were hashed again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(tokenizer_module, "data_fingerprint", no_hashing)
+        assert remembered_data_fingerprint(files) == first
+    time.sleep(0.05)  # past the filesystem's timestamp tick
+    stat = files[1].stat()
+    text = files[1].read_bytes()
+    files[1].write_bytes(text[::-1])  # same size, other content, then the old mtime back
+    os.utime(files[1], ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert files[1].stat().st_mtime_ns == stat.st_mtime_ns and files[1].stat().st_size == stat.st_size
+    assert remembered_data_fingerprint(files) == data_fingerprint(files) != first

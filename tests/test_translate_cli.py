@@ -76,22 +76,27 @@ def test_test_writes_hypotheses_in_source_order_and_the_scores_they_get(fitted, 
     assert metrics["test/chrf++"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs], word_order=2).score)
 
 
+def own_translations(last: Path, demo_cache: Path, data: Path, count: int) -> tuple[Path, list[str], list[str]]:
+    """A copy of the demo corpus at ``data`` (its sentencepiece model included), its first ``count`` test
+    sources, and the checkpoint's translations of them."""
+    import shutil
+
+    from tasks.translate import TranslationTask
+
+    shutil.copytree(next(demo_cache.glob("translate-en-de-v*")), data)
+    sources = (data / "test.en").read_text(encoding="utf-8").splitlines()[:count]
+    model = TranslationTask.load_from_checkpoint(last, weights_only=True).eval()
+    return data, sources, model.tokenizer.decode(model.translate(model.encode_sources(sources)).tokens.tolist())
+
+
 @pytest.mark.slow  # ~40 s: a second `test` run
 def test_test_reports_the_papers_tokenized_compound_split_bleu(fitted, demo_cache, tmp_path):
     """metrics.json's ``test/bleu_tok_compound`` on references close to what the model says (a 4-step
     model scores 0 on the real ones, which would not tell a right number from a wrong one): the
     demo corpus with 40 test lines whose German references are the model's own translations, some
     with hyphenated compounds, scored as a computation written in the tests scores them."""
-    import shutil
-
-    from tasks.translate import TranslationTask
-
     _, _, last, _ = fitted
-    data = tmp_path / "data"
-    shutil.copytree(next(demo_cache.glob("translate-en-de-v*")), data)  # train.* and its sentencepiece model
-    sources = (data / "test.en").read_text(encoding="utf-8").splitlines()[:40]
-    model = TranslationTask.load_from_checkpoint(last, weights_only=True).eval()
-    own = model.tokenizer.decode(model.translate(model.encode_sources(sources)).tokens.tolist())
+    data, sources, own = own_translations(last, demo_cache, tmp_path / "data", 40)
     refs = [f"{line} Nord-Süd-Konflikt" if i % 3 == 0 else line.replace(" ", "-", 1) if i % 3 == 1 else line
             for i, line in enumerate(own)]
     (data / "test.en").write_text("".join(line + "\n" for line in sources), encoding="utf-8")
@@ -103,6 +108,30 @@ def test_test_reports_the_papers_tokenized_compound_split_bleu(fitted, demo_cach
     assert metrics["test/bleu_tok_compound"] == pytest.approx(by_hand(hyps, refs), abs=1e-6)
     assert metrics["test/bleu_tok_compound"] > 10
     assert metrics["test/bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
+
+
+@pytest.mark.slow  # two CLI runs, ~30 s
+def test_bom_and_cr_only_files_score_and_translate_like_clean_ones(fitted, demo_cache, tmp_path):
+    """Text hygiene end to end: `test` against references with a byte order mark and old-Mac line breaks
+    that equal the model's own translations scores BLEU 100 (a BOM used to cost 4 points on 10 lines);
+    `predict` reads such a file line by line and warns about the line it truncates."""
+    _, _, last, _ = fitted
+    data, sources, own = own_translations(last, demo_cache, tmp_path / "data", 10)
+    (data / "test.en").write_bytes(("\ufeff" + "\r".join(sources) + "\r").encode("utf-8"))
+    (data / "test.de").write_bytes(("\ufeff" + "\r\n".join(own) + "\r\n").encode("utf-8"))
+    run_in(tmp_path, "test", *TINY, "--ckpt_path", str(last), "--data.root", str(data))
+    predictions = tmp_path / "runs" / "translate" / "predictions"
+    assert (predictions / "hypotheses.txt").read_text(encoding="utf-8").split("\n")[:-1] == own
+    assert json.loads((predictions / "metrics.json").read_text())["test/bleu"] == pytest.approx(100.0)
+
+    text = tmp_path / "in.en"
+    text.write_bytes(("\ufeffGermany\r" + " ".join(["Germany"] * 5000) + "\r").encode("utf-8"))
+    out = tmp_path / "out.de"
+    proc = run_in(tmp_path, "predict", *TINY, "--ckpt_path", str(last), "--data.predict_path", str(text),
+                  "--model.predict_output", str(out))
+    assert len(out.read_text(encoding="utf-8").split("\n")) == 2 + 1
+    assert "predict: 1 of 2 lines had more than 255 tokens and were truncated to 255 tokens" in proc.stderr
+    assert "the first is line 2" in proc.stderr
 
 
 def check_sentence_scores(predictions: Path, hyps: list[str], refs: list[str], sources: list[str]) -> None:
