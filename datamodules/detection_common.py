@@ -28,7 +28,8 @@ from torchvision import tv_tensors
 
 from lightning.pytorch import LightningDataModule
 
-from datamodules.images import IMAGE_EXTENSIONS, OnBadImage, collate_skipping, guarded, list_images, read_rgb
+from datamodules.images import (IMAGE_EXTENSIONS, OnBadImage, collate_skipping, decode_rgb_bytes, exif_orientation,
+                               guarded, list_images, read_rgb)
 from datamodules.detection_transforms import (AUGMENTATIONS, detection_train_transform, eval_transform,  # noqa: F401
                                              ssd_train_transform)
 from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
@@ -89,13 +90,28 @@ def check_augmentation(augmentation: str, zoom_out_max: float | None) -> None:
 GROUND_TRUTH_KEYS = ("gt_boxes", "gt_labels", "gt_iscrowd", "gt_area", "gt_difficult")
 
 
-def check_image_size(pixels: torch.Tensor, width: int | None, height: int | None, image: str, annotation: str) -> None:
+def check_image_size(pixels: torch.Tensor, width: int | None, height: int | None, image: str, annotation: str,
+                     encoded: Path | str | bytes | None = None) -> None:
     """Boxes are placed in, and evaluated at, the annotation's size: an image of another size is an error
-    naming ``image`` and ``annotation`` (a size of 0 or ``None`` is unknown and not checked)."""
+    naming ``image`` and ``annotation`` (a size of 0 or ``None`` is unknown and not checked).
+
+    ``pixels`` are upright (:func:`datamodules.images.read_rgb` applies the EXIF orientation). When the
+    annotation has the size of the stored, unturned pixels, the error says so: it was made by a tool that
+    ignored the orientation. ``encoded`` (the file's bytes, for a streamed sample) is where the orientation
+    is read; by default the file ``image``. It is read only on a mismatch."""
     actual_height, actual_width = (int(s) for s in pixels.shape[-2:])
-    if width and height and (actual_height, actual_width) != (int(height), int(width)):
-        raise ValueError(f"image file {image} is {actual_width}x{actual_height} (width x height) but {annotation} "
-                         f"says {width}x{height}")
+    if not (width and height) or (actual_height, actual_width) == (int(height), int(width)):
+        return
+    message = (f"image file {image} is {actual_width}x{actual_height} (width x height) but {annotation} "
+               f"says {width}x{height}")
+    if (actual_height, actual_width) == (int(width), int(height)):
+        orientation = exif_orientation(encoded if encoded is not None else image)
+        if orientation >= 5:
+            message += (f": the file carries EXIF orientation {orientation} (a quarter turn), so it reads, as "
+                        f"viewers show it, upright at {actual_width}x{actual_height}; the annotation was made on "
+                        "the stored, unturned pixels. Re-annotate it upright, or clear the tag "
+                        "(exiftool -Orientation=1 -n FILE) so the file reads as it was annotated")
+    raise ValueError(message)
 
 
 def detection_item(pixels: torch.Tensor, sample: dict, transform, use_difficult: bool = True) -> tuple:
@@ -129,20 +145,16 @@ def streamed_detection_item(sample: dict, where: str, transform, on_bad_image: O
                             use_difficult: bool = True) -> tuple | None:
     """A sample stored by ``datamodules.optimize`` -> the ``(image, target)`` the folder dataset gives;
     ``None`` for an unreadable image under ``on_bad_image="skip"``."""
-    from datamodules.streaming import decode_rgb
-
-    pixels = guarded(lambda: decode_rgb(sample["image"], where), where, on_bad_image)
+    pixels = guarded(lambda: decode_rgb_bytes(sample["image"], where), where, on_bad_image)
     if pixels is None:
         return None
-    check_image_size(pixels, int(sample["width"]), int(sample["height"]), where, "its annotation")
+    check_image_size(pixels, int(sample["width"]), int(sample["height"]), where, "its annotation", sample["image"])
     return detection_item(pixels, sample, transform, use_difficult)
 
 
 def streamed_image_item(sample: dict, where: str, transform, on_bad_image: OnBadImage) -> tuple | None:
     """A stored sample -> the ``predict`` item of :class:`ImageFiles` (``path`` relative to the dataset root)."""
-    from datamodules.streaming import decode_rgb
-
-    pixels = guarded(lambda: decode_rgb(sample["image"], where), where, on_bad_image)
+    pixels = guarded(lambda: decode_rgb_bytes(sample["image"], where), where, on_bad_image)
     if pixels is None:
         return None
     info = {"path": sample["path"], "orig_size": tuple(int(s) for s in pixels.shape[-2:])}

@@ -32,12 +32,15 @@ datamodule, 16-bit PNGs scaled, errors naming the file). Batches are dicts:
 
 - train: ``{"image": (B, 3, c, c) float, "mask": (B, c, c) int64, "skipped": int}``;
 - val / test (one image per step): ``{"image": (1, 3, h, w) float (resized for the network),
-  "mask": (1, H, W) int64 (original size), "index": (1,) int64, "path": [str], "skipped": int}``;
+  "mask": (1, H, W) int64 (original size), "index": (1,) int64, "path": [str], "name": [str], "skipped": int}``;
 - predict: ``{"image": (B, 3, h, w) float, "orig_size": (B, 2) int64 (H, W), "index": (B,) int64,
-  "path": list[str], "skipped": int}``.
+  "path": list[str], "name": list[str], "skipped": int}``.
 
-``path`` is the image file as listed (under ``root``, or as given by ``predict_path``). A batch
-whose images were all skipped (``on_bad_image="skip"``) is ``{"skipped": n}``.
+``path`` is the image file as listed (under ``root``, or as given by ``predict_path``); ``name`` is
+what the mask written for it is called (:func:`datamodules.images.output_names`: the stem, or the
+file name with its extension when two images of the split share a stem). Images are read upright
+(EXIF orientation applied), so ``orig_size`` and the masks are those of the image as viewers show it.
+A batch whose images were all skipped (``on_bad_image="skip"``) is ``{"skipped": n}``.
 """
 from __future__ import annotations
 
@@ -60,8 +63,11 @@ from datamodules.images import (
     BadImageError,
     OnBadImage,
     collate_skipping,
+    decode_rgb_bytes,
+    exif_orientation,
     guarded,
     list_images,
+    output_names,
     predict_images,
     read_rgb_array,
 )
@@ -153,13 +159,34 @@ def palette_png(stored: np.ndarray) -> Image.Image:
 Sample = tuple[Path, Path | None]  # (image, mask); mask None when predicting on plain images
 
 
+def layout_hint(root: Path, dataset: str) -> str:
+    """Why ``root`` may not be in ``dataset``'s layout, as a sentence to add to a "not found" error: it is
+    in the other dataset's layout, or it holds the dataset's folder one level down; ``""`` otherwise.
+    Only called on the way to an error, so a correct root costs nothing."""
+    ade20k = any((root / top / split).is_dir() for top in ("images", "annotations")
+                 for split in ("training", "validation"))
+    voc = (root / "JPEGImages").is_dir() or (root / "ImageSets").is_dir()
+    if dataset == "voc" and ade20k and not voc:
+        return (f"; data.root={root} looks like ADE20k (images/training, annotations/training): "
+                "pass --data.dataset ade20k")
+    if dataset == "ade20k" and voc and not ade20k:
+        return (f"; data.root={root} looks like PASCAL VOC (JPEGImages/, ImageSets/): pass --data.dataset voc "
+                "(the default)")
+    inner = ([root / "ADEChallengeData2016"] if dataset == "ade20k"
+             else [root / "VOC2012", root / "VOCdevkit" / "VOC2012"])
+    for folder in inner:
+        if folder.is_dir():
+            return f"; data.root should be the {folder.name} folder itself: --data.root {folder}"
+    return ""
+
+
 def ade20k_samples(root: Path, split: str) -> list[Sample]:
     """Pairs of ``images/<split>/<stem>.jpg`` and ``annotations/<split>/<stem>.png``; a missing mask is an error."""
     image_dir, mask_dir = root / "images" / split, root / "annotations" / split
     for folder in (image_dir, mask_dir):
         if not folder.is_dir():
             raise FileNotFoundError(f"ADE20k layout expects {folder} (data.root should be the ADEChallengeData2016 "
-                                    f"folder holding images/ and annotations/)")
+                                    f"folder holding images/ and annotations/){layout_hint(root, 'ade20k')}")
     images = list_images(image_dir)
     if not images:
         raise FileNotFoundError(f"{image_dir} holds no images")
@@ -188,6 +215,10 @@ def read_split_list(list_file: Path) -> list[str]:
 def voc_samples(root: Path, split: str, mask_dir: str = "SegmentationClass") -> list[Sample]:
     """``JPEGImages/<stem>.jpg`` and ``<mask_dir>/<stem>.png`` for every stem of ``ImageSets/Segmentation/<split>.txt``."""
     list_file = root / "ImageSets" / "Segmentation" / f"{split}.txt"
+    if not list_file.is_file():
+        raise FileNotFoundError(f"split list {list_file} does not exist (VOC layout: data.root is the VOC2012 folder "
+                                f"holding JPEGImages/, {mask_dir}/ and ImageSets/Segmentation/)"
+                                f"{layout_hint(root, 'voc')}")
     samples = []
     for line_no, stem in enumerate(read_split_list(list_file), start=1):
         image, mask = root / "JPEGImages" / f"{stem}.jpg", root / mask_dir / f"{stem}.png"
@@ -220,28 +251,40 @@ def read_mask(path: Path | BinaryIO, name: str | None = None) -> np.ndarray:
 
 
 def image_and_labels(image: np.ndarray, stored: np.ndarray | None, mask_format: MaskFormat | None, image_name,
-                     mask_name) -> tuple[np.ndarray, np.ndarray | None]:
+                     mask_name, encoded: bytes | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """(H, W, 3) image + its mask's stored values -> the image and (H, W) uint8 labels, the mask checked
-    against the image's size and the dataset's values (errors name both files)."""
+    against the image's size and the dataset's values (errors name both files).
+
+    The image is upright (its EXIF orientation applied); a mask of the stored, unturned size is named as
+    such. ``encoded`` (a streamed image's bytes; by default the file ``image_name``) is read for that only
+    on a mismatch."""
     if stored is None:
         return image, None
     if stored.shape != image.shape[:2]:
-        raise ValueError(f"image {image_name} is {image.shape[1]}x{image.shape[0]} but its mask {mask_name} is "
-                         f"{stored.shape[1]}x{stored.shape[0]} (width x height)")
+        message = (f"image {image_name} is {image.shape[1]}x{image.shape[0]} but its mask {mask_name} is "
+                   f"{stored.shape[1]}x{stored.shape[0]} (width x height)")
+        orientation = exif_orientation(encoded if encoded is not None else image_name)
+        if stored.shape == image.shape[1::-1] and orientation >= 5:
+            message += (f": the image carries EXIF orientation {orientation} (a quarter turn) and reads upright, as "
+                        "viewers show it; the mask was drawn on the stored, unturned pixels. Turn the mask upright "
+                        "too, or clear the image's tag (exiftool -Orientation=1 -n FILE)")
+        raise ValueError(message)
     return image, mask_format.decode(stored, mask_name)
 
 
 def segmentation_item(image: np.ndarray, labels: np.ndarray | None, index: int, path: str, transform,
-                      mode: str) -> dict:
+                      mode: str, name: str | None = None) -> dict:
     """A loaded sample -> the item of :class:`SegmentationDataset` in ``mode``; shared by the folder and the
-    streamed datasets, so both give the same items."""
+    streamed datasets, so both give the same items. ``name``: what the image's written mask is called
+    (default: the stem of ``path``)."""
     if mode == "train":
         # albumentations draws from its own generators (OS-seeded unless told otherwise); seed them
         # from torch's RNG, which the loader seeds per worker / per sample, so runs are reproducible
         transform.set_random_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
         out = transform(image=image, mask=labels)
         return {"image": out["image"], "mask": out["mask"].long()}
-    item = {"image": transform(image=image)["image"], "index": index, "path": path}
+    item = {"image": transform(image=image)["image"], "index": index, "path": path,
+            "name": name if name is not None else Path(path).stem}
     if mode == "eval":
         item["mask"] = torch.from_numpy(labels).long()
     else:
@@ -253,12 +296,10 @@ def streamed_segmentation_item(sample: dict, where: str, mask_format: MaskFormat
                                on_bad_image: OnBadImage) -> dict | None:
     """A sample stored by ``datamodules.optimize`` -> the item of :class:`SegmentationDataset` (``predict``
     leaves the mask out); ``None`` when its image or mask cannot be decoded under ``on_bad_image="skip"``."""
-    from datamodules.streaming import decode_rgb
-
     def load():
-        image = decode_rgb(sample["image"], where).permute(1, 2, 0).numpy()
+        image = decode_rgb_bytes(sample["image"], where).permute(1, 2, 0).numpy()
         stored = None if mode == "predict" else read_mask(io.BytesIO(sample["mask"]), f"{where} mask")
-        return image_and_labels(image, stored, mask_format, where, f"{where} mask")
+        return image_and_labels(image, stored, mask_format, where, f"{where} mask", sample["image"])
 
     loaded = guarded(load, where, on_bad_image)
     return None if loaded is None else segmentation_item(*loaded, int(sample["index"]), sample["path"], transform, mode)
@@ -268,10 +309,10 @@ class SegmentationDataset(Dataset):
     """Items for the three uses:
 
     - ``train``: ``{"image": (3, c, c) float, "mask": (c, c) int64}`` (joint augmentation);
-    - ``eval``: ``{"image": (3, h, w) float, "mask": (H, W) int64, "index": int, "path": str}``,
+    - ``eval``: ``{"image": (3, h, w) float, "mask": (H, W) int64, "index": int, "path": str, "name": str}``,
       the image resized for the network, the mask at the original size;
     - ``predict``: ``{"image": (3, h, w) float, "orig_size": (2,) int64 original (H, W), "index": int,
-      "path": str}``.
+      "path": str, "name": str}``.
 
     Masks are checked on every read (values, size against the image). ``mask_format`` may be
     ``None`` when no sample has a mask (predict). ``on_bad_image="skip"`` returns ``None`` for a
@@ -284,6 +325,8 @@ class SegmentationDataset(Dataset):
             raise ValueError(f"unknown mode {mode!r}")
         self.root = root
         self.samples = samples
+        # what test / predict call each image's mask: its stem, unless two images share it
+        self.names = output_names(image for image, _ in samples) if mode != "train" else {}
         self.mask_format = mask_format
         self.transform = transform
         self.mode = mode
@@ -306,7 +349,8 @@ class SegmentationDataset(Dataset):
         loaded = guarded(lambda: self.load(index), self.samples[index][0], self.on_bad_image)
         if loaded is None:
             return None
-        return segmentation_item(*loaded, index, str(self.samples[index][0]), self.transform, self.mode)
+        path = str(self.samples[index][0])
+        return segmentation_item(*loaded, index, path, self.transform, self.mode, self.names.get(path))
 
     def stored_sample(self, index: int) -> dict:
         """What ``python -m datamodules.optimize`` stores: the image's and the mask's bytes as they are and
@@ -609,7 +653,7 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
             return self._streamed_dataset(stage, transform)
         if stage == "predict":
             if h.predict_path:  # only the given images: root (and the demo build) stay untouched
-                # not recursive: outputs are named by the image's stem, which must be unique
+                # not recursive, as detection's predict: the masks are one flat folder
                 images = predict_images(Path(h.predict_path))
             else:
                 images = [image for image, _ in self._split_samples("test")]

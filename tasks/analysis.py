@@ -7,12 +7,17 @@ input at the data's evaluation size (the same count Lightning's model summary sh
 a multiply-add as 2 FLOPs; the MobileViT papers' "FLOPs" are multiply-adds, so their tables
 compare with ``gmacs`` = ``gflops / 2``. Only matrix products and convolutions are counted
 (normalisation, activations and softmax are not), as in the papers' counters.
+
+Pictures come last: each task writes ``metrics.json`` and its tables first, then draws through
+:func:`draw_after_metrics`, so a picture that cannot be drawn is a warning, never a `test` that ends
+without its numbers.
 """
 from __future__ import annotations
 
 import csv
 import heapq
 import itertools
+import logging
 import math
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -20,6 +25,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
+
+log = logging.getLogger(__name__)
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -210,3 +217,20 @@ def write_worst_csv(path: Path, columns: list[str], rows: list[list[Any]], delim
         writer = csv.writer(f, delimiter=delimiter, lineterminator="\n")
         writer.writerow(columns)
         writer.writerows(rows)
+
+
+def draw_after_metrics(draw: Callable[[], None], what: str) -> None:
+    """Run ``draw()``, which writes pictures (``what``, e.g. ``predictions/worst/``) once the metrics are on
+    disk. Any failure in it is logged as a warning with its traceback, not raised: the numbers are
+    what the run is for."""
+    try:
+        draw()
+    except Exception:  # a drawing library rejecting one odd sample must not end the run
+        log.warning("could not draw %s; the metrics are written", what, exc_info=True)
+
+
+def drawable_boxes(boxes: torch.Tensor) -> torch.Tensor:
+    """(N, 4) xyxy boxes with each pair of corners ordered, so a box read inverted from its annotation
+    (x2 < x1) is drawn over the area it names instead of stopping ``draw_bounding_boxes``."""
+    boxes = boxes.float()
+    return torch.cat([torch.minimum(boxes[:, :2], boxes[:, 2:]), torch.maximum(boxes[:, :2], boxes[:, 2:])], dim=1)

@@ -21,7 +21,8 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 from backbones import Backbone
 from backbones.weights import classifier_state, load_pretrained
 from heads.classifier import ClassifierHead
-from tasks.analysis import displayable, with_caption, write_confusion_matrix_png, write_worst_csv
+from tasks.analysis import (displayable, draw_after_metrics, with_caption, write_confusion_matrix_png,
+                            write_worst_csv)
 from tasks.base import TaskModule
 
 
@@ -141,8 +142,6 @@ class ClassificationTask(TaskModule):
         if self.global_rank != 0:
             return
         self.write_per_class(confusion.tolist())
-        write_confusion_matrix_png(confusion, self.class_names, self.predictions_dir / "confusion_matrix.png")
-        self.write_worst(worst)
         self.predictions_dir.mkdir(parents=True, exist_ok=True)
         with open(self.predictions_dir / "predictions.csv", "w", newline="") as f:
             writer = csv.writer(f)
@@ -150,6 +149,11 @@ class ClassificationTask(TaskModule):
             for _, path, target, pred, score in rows:
                 writer.writerow([path, self.class_names[target], self.class_names[pred], f"{score:.6f}"])
         self.write_metrics_json({**metrics, **loss})
+        # pictures last: the numbers are on disk whatever happens to them
+        draw_after_metrics(lambda: write_confusion_matrix_png(confusion, self.class_names,
+                                                              self.predictions_dir / "confusion_matrix.png"),
+                           "predictions/confusion_matrix.png")
+        draw_after_metrics(lambda: self.write_worst(worst), "predictions/worst/")
 
     def write_per_class(self, confusion: list[list[int]]) -> None:
         """``predictions/per_class.csv`` (class, precision, recall, f1, support) and

@@ -8,9 +8,13 @@ faster_coco_eval), VOC mAP@0.5 for Pascal VOC (``--data datamodules.voc_detectio
 category ids, ``[x, y, w, h]`` boxes in original-image pixels), ``predictions/metrics.json`` and
 ``predictions/per_class.csv`` (per category AP, AP50, AP75, AR100 from the same COCOeval run; VOC: AP50)
 and ``predictions/worst/``: the images with the lowest F1 at IoU 0.5 (:func:`image_f1`), drawn with
-their predicted (red) and true (green) boxes, listed in ``worst.csv``;
+their predicted (red) and true (green) boxes, listed in ``worst.csv`` (drawn last, once the numbers
+are written: a picture that cannot be drawn is a warning, not a `test` without metrics);
 `predict` writes one JSON per image (and, with ``model.draw_predictions``, the image with its
-boxes) under ``predictions/predict/``.
+boxes) under ``predictions/predict/``, named after the image's stem, or after its file name with the
+extension when two images share a stem (``photo.jpg.json`` and ``photo.png.json``). Images are read
+upright (EXIF orientation applied): boxes, ``width`` and ``height`` are those of the image as viewers
+show it.
 
 The head is a component like the backbone: ``model.head`` builds it from
 ``(backbone.feature_channels, num_classes)`` (YAML ``class_path: heads.ssdlite.SSDLiteHead`` with
@@ -26,8 +30,9 @@ from typing import Callable
 import torch
 
 from backbones import Backbone
+from datamodules.images import output_names, read_rgb
 from heads.ssdlite import SSDLiteHead
-from tasks.analysis import displayable, write_worst_csv
+from tasks.analysis import displayable, draw_after_metrics, drawable_boxes, write_worst_csv
 from tasks.base import TaskModule
 from tasks.coco_map import MAP_KEYS, CocoMeanAveragePrecision, coco_per_class
 
@@ -231,8 +236,8 @@ class DetectionTask(TaskModule):
         for rank, (f1, _, (path, image, det, gt_boxes, gt_labels)) in enumerate(worst, start=1):
             name = f"{rank:02d}_{Path(str(path)).stem}.jpg"
             if len(gt_boxes):
-                image = draw_bounding_boxes(image, gt_boxes, [self.category_names[i] for i in gt_labels.tolist()],
-                                            colors="lime", width=1)
+                image = draw_bounding_boxes(image, drawable_boxes(gt_boxes),
+                                            [self.category_names[i] for i in gt_labels.tolist()], colors="lime", width=1)
             if len(det["boxes"]):
                 labels = [f"{self.category_names[c]} {s:.2f}" for c, s in zip(det["labels"].tolist(),
                                                                              det["scores"].tolist())]
@@ -261,7 +266,6 @@ class DetectionTask(TaskModule):
         worst = self.gather_worst()
         if self.global_rank != 0:
             return
-        self.write_worst(worst)
         # a padding sampler may score an image twice: keep it once, as the metric does
         per_image = dict(reversed(results))
         detections = [d for image_id in sorted(per_image) for d in per_image[image_id]]
@@ -269,6 +273,7 @@ class DetectionTask(TaskModule):
         (self.predictions_dir / "detections.json").write_text(json.dumps(detections))
         self.write_metrics_json({**metrics, **loss})
         self.write_per_class(values)
+        draw_after_metrics(lambda: self.write_worst(worst), "predictions/worst/")
 
     def write_per_class(self, values: dict) -> None:
         """``predictions/per_class.csv``, one row per category, from the evaluation that gave mAP.
@@ -322,17 +327,21 @@ class DetectionTask(TaskModule):
             return
         out = self.predict_dir
         out.mkdir(parents=True, exist_ok=True)
+        # all ranks' images are known here: two that share a stem keep their extensions
+        names = output_names(row["image"] for row in rows)
         for row in rows:
-            stem = Path(row["image"]).stem
-            (out / f"{stem}.json").write_text(json.dumps(row, indent=1))
-            if self.draw_predictions:
-                self._draw(row, out / f"{stem}.jpg")
+            name = names[str(row["image"])]
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / f"{name}.json").write_text(json.dumps(row, indent=1))
+        if self.draw_predictions:  # every JSON is written whatever happens to the pictures
+            draw_after_metrics(lambda: [self._draw(row, out / f"{names[str(row['image'])]}.jpg") for row in rows],
+                               "the predicted boxes (model.draw_predictions)")
 
     def _draw(self, row: dict, path: Path) -> None:
-        from torchvision.io import ImageReadMode, decode_image, write_jpeg
+        from torchvision.io import write_jpeg
         from torchvision.utils import draw_bounding_boxes
 
-        image = decode_image(row["image"], mode=ImageReadMode.RGB)
+        image = read_rgb(row["image"])  # upright, the frame the boxes are in
         if row["detections"]:
             boxes = torch.tensor([d["bbox"] for d in row["detections"]])
             boxes[:, 2:] += boxes[:, :2]

@@ -12,8 +12,9 @@ image per step (resized by the datamodule), upsamples its logits to the original
 size and counts every image once under DDP (the datamodule's unrepeated sampler),
 so 1-process and N-process numbers are the same.
 
-`test` writes ``predictions/masks/<stem>.png`` (original size, the dataset's own
-label encoding), ``predictions/metrics.json`` and ``predictions/per_class.csv`` (class, iou,
+`test` writes ``predictions/masks/<name>.png`` (original size, the dataset's own
+label encoding; ``<name>`` is the image's stem, or its file name with the extension when two images share
+a stem), ``predictions/metrics.json`` and ``predictions/per_class.csv`` (class, iou,
 pixel_accuracy = TP / ground-truth pixels, support_pixels, from the same confusion matrix; logged to
 wandb as one table, ``val/per_class`` each validation, ``test/per_class``, rather than a chart per
 class) and ``predictions/worst/``: the images with the lowest per-image mIoU (:func:`image_miou`),
@@ -38,7 +39,7 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 from backbones import Backbone
 from heads.deeplabv3 import DeepLabV3
 from heads.seg_common import SegmentationHead
-from tasks.analysis import displayable, write_worst_csv
+from tasks.analysis import displayable, draw_after_metrics, write_worst_csv
 from tasks.base import TaskModule
 
 
@@ -74,6 +75,13 @@ def image_miou(pred: torch.Tensor, target: torch.Tensor, num_classes: int, ignor
     keep = target != ignore_index
     confmat = torch.bincount(target[keep].long() * num_classes + pred[keep].long(), minlength=num_classes ** 2)
     return float(confusion_scores(confmat.reshape(num_classes, num_classes))["miou"])
+
+
+def output_name(batch: dict, k: int) -> str:
+    """What the outputs of the batch's ``k``-th image are called: the datamodule's ``name`` (unique over
+    the split), or the image's stem for a datamodule that gives none."""
+    names = batch.get("name")
+    return names[k] if names is not None else Path(batch["path"][k]).stem
 
 
 class SegmentationMetric(MulticlassConfusionMatrix):
@@ -219,8 +227,7 @@ class SegmentationTask(TaskModule):
         if "image" not in batch:
             return
         preds = self._evaluate(batch, "test", self.test_metric)
-        stem = Path(batch["path"][0]).stem
-        self._write_mask(preds[0], self.predictions_dir / "masks" / f"{stem}.png")
+        self._write_mask(preds[0], self.predictions_dir / "masks" / f"{output_name(batch, 0)}.png")
         score = image_miou(preds[0], batch["mask"][0], len(self.class_names), self.ignore_index)
         self.worst_examples.offer(score, int(batch["index"][0]), lambda: (
             batch["path"][0], displayable(batch["image"][0]), preds[0].cpu(), batch["mask"][0].cpu()))
@@ -232,7 +239,7 @@ class SegmentationTask(TaskModule):
         if self.global_rank == 0:
             self.write_metrics_json({**logged, **loss})
             self.write_per_class(confmat)
-            self.write_worst(worst)
+            draw_after_metrics(lambda: self.write_worst(worst), "predictions/worst/")
 
     def write_worst(self, worst: list) -> None:
         """``predictions/worst/NN_<stem>.jpg``: the test images with the lowest per-image mIoU, side by
@@ -279,7 +286,9 @@ class SegmentationTask(TaskModule):
         return labels
 
     def predict_step(self, batch: dict, batch_idx: int) -> None:
-        """Writes ``predictions/predict/masks/<stem>.png`` and ``overlays/<stem>.jpg`` (image blended with the classes' colours)."""
+        """Writes ``predictions/predict/masks/<name>.png`` and ``overlays/<name>.jpg`` (image blended with the
+        classes' colours), at the upright image's size; ``<name>`` is the image's stem, or its file name with the
+        extension when two images share a stem (the batch's ``name``)."""
         if "image" not in batch:
             return
         datamodule = self.trainer.datamodule
@@ -287,12 +296,13 @@ class SegmentationTask(TaskModule):
         logits = self(batch["image"])["out"]
         for k, (path, (height, width)) in enumerate(zip(batch["path"], batch["orig_size"].tolist())):
             pred = F.interpolate(logits[k:k + 1], size=(height, width), mode="bilinear", align_corners=False).argmax(1)
-            stem = Path(path).stem
-            labels = self._write_mask(pred[0], self.predict_dir / "masks" / f"{stem}.png")
-            image = read_rgb_array(path)
+            name = output_name(batch, k)
+            labels = self._write_mask(pred[0], self.predict_dir / "masks" / f"{name}.png")
+            image = read_rgb_array(path)  # upright, as the network saw it
             overlay = (0.5 * image + 0.5 * palette[labels]).round().astype(np.uint8)
-            (self.predict_dir / "overlays").mkdir(parents=True, exist_ok=True)
-            Image.fromarray(overlay).save(self.predict_dir / "overlays" / f"{stem}.jpg", quality=90)
+            overlay_path = self.predict_dir / "overlays" / f"{name}.jpg"
+            overlay_path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(overlay).save(overlay_path, quality=90)
 
     def _log_overlays(self) -> None:
         """Validation images with predicted and true masks as wandb mask overlays."""

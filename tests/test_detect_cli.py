@@ -138,23 +138,40 @@ def check_per_class(predictions: Path, annotations: Path, detections: list[dict]
 
 
 def test_predict_writes_one_json_per_image_and_drawings(fitted, tmp_path):
+    from PIL import Image
+
     data, run_dir, cache = fitted
     ckpt = next(run_dir.rglob("last.ckpt"))
     folder = tmp_path / "images"
     folder.mkdir()
     for image in sorted((data / "val2017").iterdir())[:3]:
         (folder / image.name).write_bytes(image.read_bytes())
+    # one stem, two files: two outputs; and a phone photo stored 64 x 48 with EXIF orientation 6 (viewed 48 x 64)
+    first = sorted(folder.iterdir())[0]
+    Image.open(first).save(folder / "photo.jpg")
+    Image.open(first).save(folder / "photo.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.open(first).resize((64, 48)).save(folder / "portrait.jpg", exif=exif)
     out_dir = tmp_path / "predict-run"
     run_cli("predict", "--data.root", str(data), "--data.predict_path", str(folder), "--ckpt_path", str(ckpt),
             "--model.draw_predictions", "true", "--model.display_score_threshold", "0.0",
             "--trainer.default_root_dir", str(out_dir), *TINY, cache=cache)
     written = out_dir / "predictions" / "predict"
-    rows = [json.loads(p.read_text()) for p in sorted(written.glob("*.json"))]
-    assert [Path(r["image"]).name for r in rows] == sorted(p.name for p in folder.iterdir())
-    assert all(r["height"] == r["width"] == 64 for r in rows)
+    by_name = {p.name: json.loads(p.read_text()) for p in written.glob("*.json")}
+    assert sorted(by_name) == sorted([f"{Path(p.name).stem}.json" for p in folder.iterdir() if p.stem != "photo"]
+                                     + ["photo.jpg.json", "photo.png.json"])
+    rows = list(by_name.values())
+    assert sorted(Path(r["image"]).name for r in rows) == sorted(p.name for p in folder.iterdir())
+    assert by_name["photo.png.json"]["image"] == str(folder / "photo.png")
+    portrait = by_name.pop("portrait.json")
+    assert (portrait["width"], portrait["height"]) == (48, 64)  # upright, as viewers show it
+    assert all(x + w <= 48.001 and y + h <= 64.001 for x, y, w, h in (d["bbox"] for d in portrait["detections"]))
+    assert all(r["height"] == r["width"] == 64 for r in by_name.values())
     assert all(d["category_name"] in ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
                for r in rows for d in r["detections"])
-    assert len(list(written.glob("*.jpg"))) == 3
+    assert len(list(written.glob("*.jpg"))) == 6
+    assert Image.open(written / "portrait.jpg").size == (48, 64)
 
 
 def test_no_config_means_the_demo_recipe(tmp_path):
@@ -269,3 +286,58 @@ def test_paper_recipes_run_one_step(recipe, fitted, tmp_path):
             "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto",
             "--trainer.sync_batchnorm", "false", "--trainer.precision", "32-true", "--trainer.fast_dev_run", "1",
             "--trainer.default_root_dir", str(tmp_path / "run"), cache=cache)
+
+
+def test_test_writes_its_numbers_before_drawing_and_draws_inverted_boxes(tmp_path, caplog):
+    """A ground-truth box read inverted (x2 < x1, as a COCO box with a negative width would be) is drawn over
+    the area it names; and whatever goes wrong while drawing, metrics.json and detections.json are written."""
+    import torch
+
+    from tasks.detect import DetectionTask
+
+    image = torch.zeros(3, 32, 32, dtype=torch.uint8)
+    no_detections = {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long), "scores": torch.zeros(0)}
+    worst = [(0.0, 7, ("/data/img.jpg", image, no_detections, torch.tensor([[20.0, 4.0, 6.0, 30.0]]), torch.tensor([0])))]
+
+    class Task:  # the task's end of test, with the metric and the gathering stubbed
+        global_rank = 0
+        predictions_dir = tmp_path / "predictions"
+        worst_dir = predictions_dir / "worst"
+        category_names = ["zero"]
+        test_map = None
+        _test_results = [(7, [{"image_id": 7, "category_id": 1, "bbox": [1.0, 2.0, 3.0, 4.0], "score": 0.5}])]
+        write_worst = DetectionTask.write_worst
+
+        def _log_map_values(self, stage, metric):
+            return {"test/map": 0.25}, {}
+
+        def all_gather_objects(self, items):
+            return items
+
+        def eval_loss_value(self, stage):
+            return {"test/loss": 1.5}
+
+        def gather_worst(self):
+            return worst
+
+        def write_metrics_json(self, metrics):
+            (self.predictions_dir / "metrics.json").write_text(json.dumps(metrics))
+
+        def write_per_class(self, values):
+            pass
+
+    DetectionTask.on_test_epoch_end(Task())
+    predictions = tmp_path / "predictions"
+    assert json.loads((predictions / "metrics.json").read_text()) == {"test/map": 0.25, "test/loss": 1.5}
+    assert (predictions / "worst" / "01_img.jpg").is_file() and (predictions / "worst" / "worst.csv").is_file()
+
+    def broken(worst):
+        raise ValueError("a drawing library refusing a sample")
+
+    (predictions / "metrics.json").unlink()
+    task = Task()
+    task.write_worst = broken
+    with caplog.at_level("WARNING"):
+        DetectionTask.on_test_epoch_end(task)
+    assert (predictions / "metrics.json").is_file() and (predictions / "detections.json").is_file()
+    assert "could not draw predictions/worst/" in caplog.text and "refusing a sample" in caplog.text

@@ -107,12 +107,13 @@ def test_demo_splits_and_loaders(demo):
     dm.setup("test")  # the demo's test list has masks, so test scores it (VOC's own test has none)
     assert [dm.test_set.stem(i) for i in range(len(dm.test_set))] == ["test_00000", "test_00001", "test_00002"]
     batch = next(iter(dm.test_dataloader()))
-    assert set(batch) == {"image", "mask", "index", "path", "skipped"}
+    assert set(batch) == {"image", "mask", "index", "path", "name", "skipped"}
     assert batch["image"].shape == (1, 3, 128, 128) and batch["mask"].shape == (1, 128, 128)
     assert batch["path"] == [str(demo / "JPEGImages" / "test_00000.jpg")] and batch["index"].tolist() == [0]
+    assert batch["name"] == ["test_00000"]  # test writes masks/test_00000.png
     dm.setup("predict")  # no predict_path: the test split's images, without masks
     batch = next(iter(dm.predict_dataloader()))
-    assert set(batch) == {"image", "orig_size", "index", "path", "skipped"}
+    assert set(batch) == {"image", "orig_size", "index", "path", "name", "skipped"}
     assert batch["orig_size"].tolist() == [[128, 128]] and batch["orig_size"].dtype == torch.int64
     assert batch["path"] == [str(demo / "JPEGImages" / "test_00000.jpg")]
 

@@ -1,5 +1,8 @@
 """Bad input to the classification and segmentation datamodules: each is a clear error naming the
 file (``on_bad_image="fail"``) or a skipped, counted item (``"skip"``), never a silent wrong value.
+Real photo folders too: EXIF-rotated photos read upright by every reader, files a listing leaves out
+counted and named, two images with one stem written to two outputs, and a dataset folder of the
+other layout named as such.
 
 Every case runs on a tiny layout written into ``tmp_path``."""
 from __future__ import annotations
@@ -222,3 +225,188 @@ def test_all_skipped_batch_is_only_the_count(tmp_path):
     dm = segment(seg, on_bad_image="skip")
     dm.setup("fit")
     assert list(dm.train_dataloader()) == [{"skipped": 3}]
+
+
+# -- 5. EXIF orientation: every reader gives the upright image ------------------------------------------------
+def quadrants(height: int = 16, width: int = 24) -> np.ndarray:
+    """Four flat colours, one a quadrant, so a wrong turn or flip changes what lands where."""
+    image = np.zeros((height, width, 3), np.uint8)
+    for k, colour in enumerate([(250, 0, 0), (0, 250, 0), (0, 0, 250), (250, 250, 0)]):
+        rows, cols = divmod(k, 2)
+        image[rows * height // 2:(rows + 1) * height // 2, cols * width // 2:(cols + 1) * width // 2] = colour
+    return image
+
+
+def write_oriented(path: Path, orientation: int = 6, stored: np.ndarray | None = None) -> Path:
+    """Save ``stored`` (default :func:`quadrants`, 24 wide, 16 high) with the EXIF orientation tag, as a
+    phone stores a portrait photo (orientation 6: turn 90 degrees clockwise to view)."""
+    from datamodules.images import ORIENTATION
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    exif = Image.Exif()
+    exif[ORIENTATION] = orientation
+    extra = {"quality": 95} if path.suffix == ".jpg" else {"lossless": True} if path.suffix == ".webp" else {}
+    Image.fromarray(quadrants() if stored is None else stored).save(path, exif=exif, **extra)
+    return path
+
+
+def upright(path: Path) -> np.ndarray:
+    """What viewers show: PIL's own EXIF transpose."""
+    from PIL import ImageOps
+
+    with Image.open(path) as img:
+        return np.asarray(ImageOps.exif_transpose(img).convert("RGB"))
+
+
+@pytest.mark.parametrize("suffix", [".jpg", ".png", ".webp", ".tif"])
+def test_read_rgb_and_stored_bytes_are_upright(tmp_path, suffix):
+    from datamodules.images import decode_rgb_bytes, exif_orientation, read_rgb
+
+    for orientation in range(1, 9):
+        path = write_oriented(tmp_path / f"o{orientation}{suffix}", orientation)
+        expected = upright(path)
+        assert expected.shape[:2] == ((24, 16) if orientation >= 5 else (16, 24))
+        for pixels in (read_rgb(path), decode_rgb_bytes(path.read_bytes(), str(path))):
+            got = pixels.permute(1, 2, 0).numpy()
+            assert got.shape == expected.shape, (suffix, orientation)
+            assert np.abs(got.astype(int) - expected).max() <= 12, (suffix, orientation)  # JPEG: decoders differ a little
+        assert exif_orientation(path) == exif_orientation(path.read_bytes()) == orientation
+
+
+def test_segmentation_reads_exif_photos_upright(tmp_path):
+    folder = tmp_path / "photos"
+    write_oriented(folder / "portrait.jpg")  # stored 24x16, viewed 16x24
+    dm = segment(None, predict_path=str(folder), **PLAIN)
+    dm.setup("predict")
+    batch = next(iter(dm.predict_dataloader()))
+    assert batch["orig_size"].tolist() == [[24, 16]] and batch["image"].shape == (1, 3, 24, 16)
+    assert np.abs(batch["image"][0].permute(1, 2, 0).numpy() * 255 - upright(folder / "portrait.jpg")).max() < 13
+
+    # a mask drawn on the upright photo fits; one drawn on the stored pixels is named as such
+    root = voc(tmp_path / "VOC2012", stems=("s0",))
+    write_oriented(root / "JPEGImages" / "s0.jpg")
+    mask = Image.fromarray(np.zeros((24, 16), np.uint8))
+    mask.putpalette(voc_palette().tobytes())
+    mask.save(root / "SegmentationClass" / "s0.png")
+    dm = segment(root)
+    dm.setup("validate")
+    assert dm.val_set[0]["mask"].shape == (24, 16)
+    mask.transpose(Image.Transpose.TRANSPOSE).save(root / "SegmentationClass" / "s0.png")  # 24 wide, 16 high
+    with pytest.raises(ValueError, match=r"s0\.jpg is 16x24 but its mask .*s0\.png is 24x16.*EXIF orientation 6"):
+        dm.val_set[0]
+
+
+def test_detection_size_check_names_exif_orientation(tmp_path):
+    from datamodules.detection_common import ImageFiles, check_image_size, eval_transform
+    from datamodules.images import read_rgb
+
+    photo = write_oriented(tmp_path / "photos" / "portrait.jpg")
+    (item, info), = ImageFiles(photo.parent, eval_transform(8, (0.0,) * 3, (1.0,) * 3))
+    assert info["orig_size"] == (24, 16)  # (height, width) of the upright photo: boxes are scaled to it
+    pixels = read_rgb(photo)
+    check_image_size(pixels, 16, 24, str(photo), "ann.xml")  # annotated upright: fine
+    for encoded in (None, photo.read_bytes()):  # the file, or a streamed sample's bytes
+        with pytest.raises(ValueError, match=r"portrait\.jpg is 16x24 .* ann\.xml says 24x16: the file carries EXIF "
+                                             r"orientation 6"):
+            check_image_size(pixels, 24, 16, str(photo), "ann.xml", encoded)
+    with pytest.raises(ValueError, match=r"says 20x20$"):  # another size is no EXIF matter
+        check_image_size(pixels, 20, 20, str(photo), "ann.xml")
+
+
+# -- 6. what a folder listing leaves out is counted and named once ---------------------------------------------
+def test_listings_count_what_they_leave_out(tmp_path):
+    from datamodules.images import SkippedFiles, image_tree, list_images, predict_images
+
+    folder = tmp_path / "photos"
+    write_image(folder / "a.jpg")
+    write_image(folder / "sub" / "b.png")
+    (folder / "anim.gif").write_bytes(b"GIF89a")
+    (folder / "phone.heic").write_bytes(b"\x00")
+    (folder / "gone.jpg").symlink_to(tmp_path / "missing.jpg")
+    write_image(folder / ".hidden.jpg")  # never data, not counted
+    with pytest.warns(UserWarning) as caught:
+        assert predict_images(folder) == [folder / "a.jpg"]
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith(f"left out 3 entries of {folder} that are not read as images: "
+                              "2 files of other types (anim.gif, phone.heic); 1 broken link (gone.jpg)")
+    with pytest.warns(UserWarning, match=r"left out 3 entries"):
+        assert image_tree(folder) == [folder / "a.jpg", folder / "sub" / "b.png"]
+
+    # several folders as one listing (class folders): one report with the total
+    skipped = SkippedFiles()
+    for name in ("cats", "dogs"):
+        write_image(tmp_path / name / "0.jpg")
+        (tmp_path / name / "clip.gif").write_bytes(b"GIF89a")
+        list_images(tmp_path / name, skipped)
+    assert skipped.total == 2
+    assert "2 files of other types (cats/clip.gif, dogs/clip.gif)" in skipped.describe(tmp_path)
+    with pytest.warns(UserWarning, match="left out 2 entries"):
+        skipped.report(tmp_path)
+
+    # a folder holding only such files says what it holds instead
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "anim.gif").write_bytes(b"GIF89a")
+    with pytest.raises(FileNotFoundError, match=r"holds no images .*1 file of another type \(anim\.gif\)"):
+        predict_images(only)
+
+
+# -- 7. two images with one stem get two outputs -----------------------------------------------------------------
+def test_output_names_keep_the_extension_only_where_stems_clash():
+    from datamodules.images import output_names
+
+    names = output_names(["/d/photo.jpg", "/d/photo.png", "/d/cat.jpg", "/d/x/dog.jpg", "/d/y/DOG.png"])
+    assert names == {"/d/photo.jpg": "photo.jpg", "/d/photo.png": "photo.png", "/d/cat.jpg": "cat",
+                     "/d/x/dog.jpg": "x/dog.jpg", "/d/y/DOG.png": "y/DOG.png"}
+    # a stem that equals another image's file name does not take its output
+    assert output_names(["photo.jpg", "photo.png", "photo.jpg.jpeg"]) == {
+        "photo.jpg": "photo.jpg", "photo.png": "photo.png", "photo.jpg.jpeg": "photo.jpg.jpeg"}
+
+
+def test_segmentation_predict_writes_one_mask_per_image(tmp_path):
+    from types import SimpleNamespace
+
+    from tasks.segment import SegmentationTask
+
+    folder = tmp_path / "photos"
+    write_image(folder / "photo.jpg", size=(8, 10))
+    write_image(folder / "photo.png", size=(6, 4))
+    write_oriented(folder / "portrait.jpg")
+    dm = segment(None, predict_path=str(folder), **PLAIN)
+    dm.setup("predict")
+    batches = list(dm.predict_dataloader())
+    assert [b["name"] for b in batches] == [["photo.jpg"], ["photo.png"], ["portrait"]]
+
+    class Writer:  # the task's writer, with a model that predicts class 1 everywhere
+        predict_dir = tmp_path / "out"
+        trainer = SimpleNamespace(datamodule=dm)
+        _write_mask = SegmentationTask._write_mask
+
+        def __call__(self, images):
+            return {"out": torch.stack([torch.zeros_like(images[:, 0]), torch.ones_like(images[:, 0])], dim=1)}
+
+    for k, batch in enumerate(batches):
+        SegmentationTask.predict_step(Writer(), batch, k)
+    sizes = {p.name: Image.open(p).size for p in (tmp_path / "out" / "masks").iterdir()}
+    assert sizes == {"photo.jpg.png": (10, 8), "photo.png.png": (4, 6), "portrait.png": (16, 24)}  # upright
+    assert sorted(p.name for p in (tmp_path / "out" / "overlays").iterdir()) == [
+        "photo.jpg.jpg", "photo.png.jpg", "portrait.jpg"]
+
+
+# -- 8. ADE20k given as VOC, and VOC as ADE20k ----------------------------------------------------------------------
+def test_segmentation_layout_of_the_other_dataset_is_named(tmp_path):
+    ade = tmp_path / "ADEChallengeData2016"
+    for split in ("training", "validation"):
+        write_image(ade / "images" / split / "a.jpg")
+        (ade / "annotations" / split).mkdir(parents=True)
+        Image.fromarray(np.ones((8, 8), np.uint8)).save(ade / "annotations" / split / "a.png")
+    with pytest.raises(FileNotFoundError, match=r"looks like ADE20k .*: pass --data\.dataset ade20k"):
+        segment(ade).setup("fit")  # the default dataset is voc
+    segment(ade, dataset="ade20k").setup("fit")
+
+    root = voc(tmp_path / "VOCdevkit" / "VOC2012")
+    with pytest.raises(FileNotFoundError, match=r"looks like PASCAL VOC .*: pass --data\.dataset voc"):
+        segment(root, dataset="ade20k").setup("fit")
+    with pytest.raises(FileNotFoundError, match=r"data\.root should be the VOC2012 folder itself: --data\.root "
+                                                 f"{tmp_path / 'VOCdevkit' / 'VOC2012'}"):
+        segment(tmp_path / "VOCdevkit").setup("fit")

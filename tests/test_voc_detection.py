@@ -377,16 +377,36 @@ BAD_XML = [
     (xml_text(40, 30, [("dog", "abc", 1, 5, 5, 0)]), r"000007\.xml: object 1 of 1 \('dog'\) <xmin> is 'abc', not a number"),
     (xml_text(40, 30, [("dog", 7, 1, 5, 5, 0)]), r"000007\.xml: object 1 of 1 \('dog'\) has xmax 5 < xmin 7"),
     (xml_text(40, 30, [("dog", 1, 1, 5, 5, "yes")]), r"000007\.xml: object 1 of 1 \('dog'\) has <difficult> 'yes'"),
+    (xml_text(40, 30, [("dog", 1, 1, 5, 5, 0), ("cat", 2, 9, 6, 3, 0)]),
+     r"000007\.xml: object 2 of 2 \('cat'\) has ymax 3 < ymin 9"),
 ]
 
 
 @pytest.mark.parametrize("content, message", BAD_XML, ids=["malformed", "empty", "no-name", "no-bndbox",
-                                                           "unknown-class", "not-a-number", "inverted", "difficult"])
+                                                           "unknown-class", "not-a-number", "inverted", "difficult",
+                                                           "inverted-y"])
 def test_bad_xml_is_named_by_file_and_line_or_object(tmp_path, content, message):
     root = write_voc(tmp_path / "VOC2007")
     (root / "Annotations" / "000007.xml").write_text(content)
     with pytest.raises(ValueError, match=message):
         VocDetectionDataModule(root=str(root)).split("trainval")
+
+
+def test_exif_rotated_photo_is_read_upright_and_a_stored_frame_size_is_named(tmp_path):
+    """A phone's portrait photo: stored 40 wide and 30 high with EXIF orientation 6 (viewed 30 x 40)."""
+    root = write_voc(tmp_path / "VOC2007", {"000005": (30, 40, [("dog", 1, 1, 10, 20, 0)])},
+                     {"trainval": ["000005"], "test": ["000005"]})
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.new("RGB", (40, 30), (200, 100, 30)).save(root / "JPEGImages" / "000005.jpg", exif=exif)
+    dm = VocDetectionDataModule(root=str(root), image_size=32, mean=MEAN, std=STD)
+    image, target = dm.split("test")[0]
+    assert target["orig_size"] == (40, 30)  # (height, width) upright, as the XML (annotated upright) says
+    # an XML written by a tool that ignored the tag has the stored size: the error says it is the orientation
+    (root / "Annotations" / "000005.xml").write_text(xml_text(40, 30, [("dog", 1, 1, 10, 20, 0)]))
+    with pytest.raises(ValueError, match=r"000005\.jpg is 30x40 .*/000005\.xml says 40x30: the file carries EXIF "
+                                         r"orientation 6"):
+        dm.split("test")[0]
 
 
 @pytest.mark.parametrize("missing", ["Annotations/000009.xml", "JPEGImages/000009.jpg"])
@@ -442,8 +462,8 @@ def test_demo_layout_matches_the_coco_demo_and_marks_difficult_objects(tmp_path)
                          eval_transform(96, MEAN, STD))
     assert len(ours) == len(coco) == 30
     crowds = 0
-    for k, image_id in enumerate(coco.image_ids):  # the same scenes, boxes and classes, read from both formats
-        theirs, mine = coco.targets[image_id], ours.targets[k]
+    for k in range(len(coco)):  # the same scenes, boxes and classes, read from both formats
+        theirs, mine = coco.annotation(k), ours.targets[k]
         assert np.array_equal(mine["gt_boxes"], theirs["gt_boxes"])
         assert np.array_equal(mine["gt_labels"], theirs["gt_labels"])
         assert np.all(mine["gt_difficult"][theirs["gt_iscrowd"] == 1])  # crowd clusters are difficult
