@@ -130,8 +130,9 @@ def test_bom_and_cr_only_files_score_and_translate_like_clean_ones(fitted, demo_
     proc = run_in(tmp_path, "predict", *TINY, "--ckpt_path", str(last), "--data.predict_path", str(text),
                   "--model.predict_output", str(out))
     assert len(out.read_text(encoding="utf-8").split("\n")) == 2 + 1
-    assert "predict: 1 of 2 lines had more than 255 tokens and were truncated to 255 tokens" in proc.stderr
-    assert "the first is line 2" in proc.stderr
+    limit = torch.load(last, map_location="cpu", weights_only=False)["hyper_parameters"]["max_positions"] - 1
+    assert (f"predict: 1 of 2 lines had more than {limit} tokens and were truncated to {limit} tokens (the model's "
+            f"max_positions {limit + 1}, eos included); the first is line 2") in proc.stderr
 
 
 def check_sentence_scores(predictions: Path, hyps: list[str], refs: list[str], sources: list[str]) -> None:
