@@ -19,6 +19,9 @@ stride, so ``forward``'s dict keeps only the deepest of them;
 the chosen stages, from one pass (the segmentation auxiliary head reads stage 4
 that way, where CVNets puts it). Single-scale backbones (ViT, ConvMixer,
 MLP-Mixer) have no numbered stages: asking them for one is an error naming them.
+
+``size_multiple`` says which input sizes a built backbone takes: any height and width
+that are multiples of it, or (``None``) only the size it was built for.
 """
 from __future__ import annotations
 
@@ -51,6 +54,15 @@ class Backbone(nn.Module):
     in_chans: int = 3
     #: the numbered stages, shallow to deep; empty for single-scale backbones
     stage_info: tuple[StageInfo, ...] = ()
+    #: why the backbone takes only the input size it was built for (when :attr:`size_multiple` is ``None``)
+    fixed_size_reason: str = "it is not known to take other input sizes"
+
+    @property
+    def size_multiple(self) -> int | None:
+        """The multiple that input height and width must be of for this network, unchanged, to take
+        any such size (timm's ``dynamic_img_size``; an exported graph takes them all); ``None``: only
+        the size it was built for (:attr:`fixed_size_reason` says why)."""
+        return None
 
     def forward(self, x: torch.Tensor) -> dict[int, torch.Tensor]:  # pragma: no cover - abstract
         raise NotImplementedError

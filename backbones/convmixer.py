@@ -61,6 +61,11 @@ class ConvMixer(SingleScaleBackbone):
     (B, dim), the global average the reference classifier consumes.
     """
 
+    @property
+    def size_multiple(self) -> int:
+        """Convolutions and poolings only: any multiple of the deepest output stride."""
+        return max(self.feature_channels)
+
     def __init__(
         self,
         dim: int = 768,

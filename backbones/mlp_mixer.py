@@ -76,6 +76,8 @@ class MlpMixer(SingleScaleBackbone):
     ``depth`` overrides the size's number of blocks.
     """
 
+    fixed_size_reason = "MLP-Mixer's token-mixing MLPs are sized for one grid"
+
     def __init__(
         self,
         size: str = "small",

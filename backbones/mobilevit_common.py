@@ -4,6 +4,7 @@ key mappings of timm and apple/ml-cvnets checkpoints, which name both versions a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -108,6 +109,18 @@ class StagedBackbone(Backbone):
     stem: nn.Module
     stages: nn.ModuleList
     stage_strides: list[int]
+
+    @property
+    def size_multiple(self) -> int:
+        """No block resizes its input when the map at each block's stride splits into whole patches and
+        the deepest stride divides the image: 64 at output stride 32 with 2x2 patches, 32 at 16, 16 at 8."""
+        multiple = max(self.stage_strides)
+        for stride, stage in zip(self.stage_strides, self.stages):
+            for block in stage:
+                patch = getattr(block, "patch_size", None)
+                if patch is not None:
+                    multiple = math.lcm(multiple, stride * patch[0], stride * patch[1])
+        return multiple
 
     def _build_stages(
         self,

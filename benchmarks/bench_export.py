@@ -34,7 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backbones import create_backbone  # noqa: E402
 from tasks.classify import ClassificationTask  # noqa: E402
-from tasks.export import ClassifierGraph, DetectorGraph, SegmenterGraph, export_graph  # noqa: E402
+from tasks.onnx_classification import ClassifierGraph  # noqa: E402
+from tasks.onnx_detection import CUSTOM_TRANSLATIONS, DetectorGraph  # noqa: E402
+from tasks.onnx_export import export_graph  # noqa: E402
+from tasks.onnx_segmentation import SegmenterGraph  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -122,7 +125,7 @@ def measure(label: str, workdir: Path, batches: list[int], reps: int, iters: int
     start = time.perf_counter()
     export_graph(graph.eval(), (x,), path, ["images"], ["logits"] if label in CLASSIFIERS else
                  (["boxes", "scores", "labels", "num_detections"] if label == "ssdlite-demo" else ["labels"]),
-                 {"images": dynamic}, 18, {}, {})
+                 {"images": dynamic}, 18, {}, {}, CUSTOM_TRANSLATIONS if label == "ssdlite-demo" else None)
     export_s = time.perf_counter() - start
     ort_session = session(path, threads)
     rows = []

@@ -23,6 +23,7 @@ from backbones.weights import classifier_state, load_pretrained
 from heads.classifier import ClassifierHead
 from tasks.analysis import (displayable, draw_after_metrics, with_caption, write_confusion_matrix_png,
                             write_worst_csv)
+from tasks import onnx_classification
 from tasks.base import TaskModule
 
 
@@ -44,6 +45,8 @@ class ClassificationTask(TaskModule):
     """
 
     DATA_LINKS = {"classes": "class_names"}
+    #: the module that writes this task's ONNX graph and checks it (``python -m tasks.classify export``)
+    onnx_export = onnx_classification
 
     def __init__(self, backbone: Backbone, class_names: list[str], head_dropout: float = 0.0,
                  label_smoothing: float = 0.0, weights: str | None = None, num_sample_images: int = 16,

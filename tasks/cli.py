@@ -187,7 +187,7 @@ class SuiteCLI(LightningCLI):
 
         prog = f"python -m tasks.{self.task} export"
         parser._subcommands_action.add_subcommand(
-            EXPORT, export_parser(qualified_name(self.model_class), prog),
+            EXPORT, export_parser(self.model_class, prog),
             help="Export the checkpoint's model to ONNX and check it against PyTorch with ONNX Runtime")
 
     def add_arguments_to_parser(self, parser) -> None:

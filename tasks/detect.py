@@ -33,6 +33,7 @@ from backbones import Backbone
 from datamodules.images import output_names, read_rgb
 from heads.ssdlite import SSDLiteHead
 from tasks.analysis import displayable, draw_after_metrics, drawable_boxes, write_worst_csv
+from tasks import onnx_detection
 from tasks.base import TaskModule
 from tasks.coco_map import MAP_KEYS, CocoMeanAveragePrecision, coco_per_class
 
@@ -90,6 +91,8 @@ class DetectionTask(TaskModule):
     """
 
     DATA_LINKS = {"num_classes": "num_classes", "category_ids": "category_ids", "category_names": "category_names"}
+    #: the module that writes this task's ONNX graph and checks it (``python -m tasks.detect export``)
+    onnx_export = onnx_detection
 
     def __init__(self, backbone: Backbone, num_classes: int, category_ids: list[int] | None = None,
                  category_names: list[str] | None = None, head: DetectionHeadFactory | None = None,

@@ -1,6 +1,10 @@
-"""Translate with an exported Transformer on ONNX Runtime: greedy and beam search over the graphs
-``python -m tasks.translate export`` writes (``<stem>.encoder.onnx``, ``<stem>.decoder_step.onnx``,
-``<stem>.spm.model``; see :mod:`tasks.export`).
+"""ONNX export of a translation checkpoint, and translation with it on ONNX Runtime.
+
+``python -m tasks.translate export`` writes three files named after ``--output``: ``<stem>.encoder.onnx``
+(``src (B, S) -> cross_kv (B, 2L, H, S, d), source_padding (B, S)``: the source's keys and values of every
+decoder layer's cross-attention), ``<stem>.decoder_step.onnx`` (one cached step: ``tokens (N, 1), cross_kv,
+source_padding, past_kv (N, 2L, H, t, d) -> logits (N, V), present_kv (N, 2L, H, t + 1, d)``) and
+``<stem>.spm.model`` (the sentencepiece model). :class:`OnnxTranslator` runs greedy and beam search on them.
 
 The search is :mod:`heads.decoding`'s, the one the PyTorch model uses, run on a decoder whose
 every step is one ONNX Runtime call of the cached decoder step, so both produce the same
@@ -22,9 +26,172 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import torch.nn as nn
+import torch.nn.functional as F
+
 from heads.decoding import Hypotheses, beam_search, greedy_search, max_output_lengths
+from heads.seq2seq import padding_bias
+from layers.attention import KVCache
+from tasks.onnx_export import ATOL, Check, ExportReport, ExportRequest, export_graph, io_note, ort_session, read_metadata
+
+#: the command's own flags, with their help
+FLAGS: dict[str, str] = {}
 
 
+# -- the graphs ``python -m tasks.translate export`` writes ------------------------------------------------------
+
+
+class TranslationEncoderGraph(nn.Module):
+    """src (B, S) int64 padded with pad_id -> ``cross_kv (B, 2L, H, S, d)`` (layer i's cross-attention
+    keys at 2i, values at 2i + 1) and ``source_padding (B, S)`` bool (True = pad)."""
+
+    def __init__(self, task: nn.Module):
+        super().__init__()
+        self.encoder, self.decoder = task.encoder, task.decoder
+
+    def forward(self, src: torch.Tensor):
+        padding = src.eq(self.encoder.pad_id)
+        x = self.encoder.embed(src)
+        for layer in self.encoder.layers:  # the mask always applies: a graph has no data-dependent branch
+            x = layer(x, padding)
+        memory = self.encoder.norm(x)
+        kv = []
+        for layer in self.decoder.layers:  # what the first cached step of PyTorch's search projects
+            attention = layer.cross_attn
+            kv += attention._project_kv(attention.qkv, attention.dim, memory, memory)
+        return torch.stack(kv, dim=1), padding
+
+
+class GraphDecoderCache:
+    """:class:`heads.seq2seq.DecoderCache`'s interface over the decoder step graph's inputs: the past
+    self-attention keys/values are concatenated with the new ones (a graph output is a new tensor)
+    and collected in ``present``; the memory's keys/values and padding come from the encoder graph."""
+
+    def __init__(self, past_kv: torch.Tensor, cross_kv: torch.Tensor, source_padding: torch.Tensor, num_layers: int):
+        self.past_kv, self.steps = past_kv, past_kv.shape[3]
+        self.cross_attn = [KVCache(key=cross_kv[:, 2 * i], value=cross_kv[:, 2 * i + 1], static=True)
+                           for i in range(num_layers)]
+        self.memory_bias = padding_bias(source_padding, cross_kv.dtype)  # always applied: no data-dependent branch
+        self.present: list[torch.Tensor] = []
+
+    def append(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        new_keys, new_values = kv.permute(2, 0, 3, 1, 4)  # (N, T, 2, H, d) -> 2 x (N, H, T, d)
+        keys = torch.cat([self.past_kv[:, 2 * layer], new_keys], dim=2)
+        values = torch.cat([self.past_kv[:, 2 * layer + 1], new_values], dim=2)
+        self.present += [keys, values]
+        return keys, values
+
+
+class TranslationDecoderStep(nn.Module):
+    """One cached decoder step: ``tokens (N, 1)`` (the newest token of each hypothesis),
+    ``cross_kv (N, 2L, H, S, d)``, ``source_padding (N, S)``, ``past_kv (N, 2L, H, t, d)`` (the
+    self-attention keys/values of the t tokens before; t = 0 at the first step) ->
+    ``logits (N, V)`` of the next token and ``present_kv (N, 2L, H, t + 1, d)``."""
+
+    def __init__(self, task: nn.Module):
+        super().__init__()
+        self.decoder = task.decoder
+
+    def forward(self, tokens: torch.Tensor, cross_kv: torch.Tensor, source_padding: torch.Tensor,
+                past_kv: torch.Tensor):
+        cache = GraphDecoderCache(past_kv, cross_kv, source_padding, self.decoder.depth)
+        logits = self.decoder(tokens, None, None, cache)
+        return logits[:, -1], torch.stack(cache.present, dim=1)
+
+
+def translation_files(output: Path) -> dict[str, Path]:
+    """The files a translation export writes for ``--output``: encoder, decoder step, tokenizer."""
+    stem = output.with_suffix("") if output.suffix == ".onnx" else output
+    return {"encoder": stem.with_name(stem.name + ".encoder.onnx"),
+            "decoder_step": stem.with_name(stem.name + ".decoder_step.onnx"),
+            "tokenizer": stem.with_name(stem.name + ".spm.model")}
+
+
+def export(request: ExportRequest) -> ExportReport:
+    """Write the graph(s) of ``request.model`` to ``request.output``, run them with ONNX Runtime and compare."""
+    model, opset = request.model, request.opset
+    files = translation_files(request.output)
+    decoder = model.decoder
+    layers, heads = decoder.depth, decoder.layers[0].cross_attn.num_heads
+    head_dim = decoder.layers[0].cross_attn.head_dim
+    generator = torch.Generator().manual_seed(0)
+    src = random_sources(4, 12, model, generator)
+    encoder_graph = TranslationEncoderGraph(model).eval()
+    with torch.no_grad():
+        cross_kv, padding = encoder_graph(src)
+    step_graph = TranslationDecoderStep(model).eval()
+    tokens = torch.full((len(src), 1), model.bos_id, dtype=torch.long)
+    past = torch.randn(len(src), 2 * layers, heads, 3, head_dim, generator=generator)
+    metadata = {"task": "translation", "bos_id": model.bos_id, "eos_id": model.eos_id, "pad_id": model.pad_id,
+                "max_positions": model.max_positions, "max_len_a": model.max_len_a, "max_len_b": model.max_len_b,
+                "beam_size": model.beam_size, "length_penalty": model.length_penalty,
+                "length_penalty_form": model.length_penalty_form, "num_layers": layers,
+                "num_heads": heads, "head_dim": head_dim, "vocab_size": decoder.embed.tokens.num_embeddings,
+                "encoder": files["encoder"].name, "decoder_step": files["decoder_step"].name,
+                "tokenizer": files["tokenizer"].name}
+    kv_doc = "float32 (N, 2 * layers, heads, {}, head_dim): layer i's keys at 2i, values at 2i + 1"
+    docs = {"src": "int64 (batch, source_length) token ids ending in eos, then pad_id",
+            "cross_kv": kv_doc.format("source_length") + " (cross-attention over the source)",
+            "source_padding": "bool (batch, source_length), True at padding",
+            "tokens": "int64 (N, 1), the newest token of each hypothesis (bos at the first step)",
+            "past_kv": kv_doc.format("t") + " of the t tokens before (t = 0 at the first step)",
+            "logits": "float32 (N, vocab_size), scores of the next token",
+            "present_kv": kv_doc.format("t + 1") + ", the next step's past_kv"}
+    source_axes = {0: "batch", 1: "source_length"}
+    export_graph(encoder_graph, (src,), files["encoder"], ["src"], ["cross_kv", "source_padding"],
+                 {"src": source_axes}, opset, metadata, docs)
+    step_axes = {"tokens": {0: "batch"}, "cross_kv": {0: "batch", 3: "source_length"},
+                 "source_padding": source_axes, "past_kv": {0: "batch", 3: "past_length"}}
+    export_graph(step_graph, (tokens, cross_kv, padding, past), files["decoder_step"],
+                 ["tokens", "cross_kv", "source_padding", "past_kv"], ["logits", "present_kv"], step_axes, opset,
+                 metadata, docs)
+    files["tokenizer"].write_bytes(model.tokenizer.serialized())
+    translator = OnnxTranslator(files["encoder"])
+    report = ExportReport(list(files.values()), [
+        "batch, source length and decoded length dynamic",
+        f"encoder: {io_note(translator.encoder)}", f"decoder step: {io_note(translator.decoder_step)}",
+        f"translate with: python -m tasks.onnx_translation {files['encoder']} < source.txt"])
+    encoded = translator.encoder.run(None, {"src": src.numpy()})
+    report.checks.append(Check("max |cross_kv| difference, 4 random sources",
+                               float(np.abs(encoded[0] - cross_kv.numpy()).max()), ATOL))
+    with torch.no_grad():
+        step = step_graph(tokens, cross_kv, padding, past)
+    got = translator.decoder_step.run(None, {"tokens": tokens.numpy(), "cross_kv": cross_kv.numpy(),
+                                             "source_padding": padding.numpy(), "past_kv": past.numpy()})
+    report.checks.append(Check("max |logits| difference of a decoder step", float(np.abs(got[0] - step[0].numpy()).max()),
+                               ATOL))
+    for beam in sorted({1, model.beam_size}):
+        expected = model.translate(src, beam_size=beam).tokens
+        hypotheses = translator.translate_ids(src, beam_size=beam).tokens
+        report.checks.append(Check(f"hypotheses that differ, 4 random sources, {'greedy' if beam == 1 else f'beam {beam}'}",
+                                   hypothesis_differences(expected, hypotheses, model.pad_id), 0))
+    return report
+
+
+def random_sources(count: int, longest: int, model, generator: torch.Generator) -> torch.Tensor:
+    """(count, longest) padded random sources of decreasing lengths, ending in eos: ordinary tokens only."""
+    special = {model.pad_id, model.bos_id, model.eos_id}
+    vocab = model.decoder.embed.tokens.num_embeddings
+    src = torch.full((count, longest), model.pad_id, dtype=torch.long)
+    for row in range(count):
+        length = max(2, longest - 3 * row)
+        ids = torch.randint(0, vocab, (length - 1,), generator=generator)
+        ids = torch.where(torch.isin(ids, torch.tensor(sorted(special))), max(special) + 1, ids)
+        src[row, : length - 1] = ids
+        src[row, length - 1] = model.eos_id
+    return src
+
+
+def hypothesis_differences(a: torch.Tensor, b: torch.Tensor, pad_id: int) -> int:
+    """Rows of two (B, L) padded token batches that differ (ignoring padding width)."""
+    width = max(a.shape[1], b.shape[1])
+    a = F.pad(a, (0, width - a.shape[1]), value=pad_id)
+    b = F.pad(b, (0, width - b.shape[1]), value=pad_id)
+    return int((a != b).any(dim=1).sum())
+
+
+
+# -- running them -------------------------------------------------------------------------------------------------
 class OnnxDecoderCache:
     """The self-attention keys/values of the tokens decoded so far, ``past_kv (N, 2L, H, t, d)``, and the
     graph's cross-attention inputs repeated for each of a sentence's hypotheses."""
@@ -80,7 +247,6 @@ class OnnxTranslator:
 
     def __init__(self, encoder_path: str | Path):
         from datamodules.tokenizer import Tokenizer
-        from tasks.export import ort_session, read_metadata
 
         encoder_path = Path(encoder_path)
         if not encoder_path.is_file():

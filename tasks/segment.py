@@ -40,6 +40,7 @@ from backbones import Backbone
 from heads.deeplabv3 import DeepLabV3
 from heads.seg_common import SegmentationHead
 from tasks.analysis import displayable, draw_after_metrics, write_worst_csv
+from tasks import onnx_segmentation
 from tasks.base import TaskModule
 
 
@@ -119,6 +120,8 @@ class SegmentationTask(TaskModule):
     """
 
     DATA_LINKS = {"class_names": "class_names"}
+    #: the module that writes this task's ONNX graph and checks it (``python -m tasks.segment export``)
+    onnx_export = onnx_segmentation
 
     def __init__(self, backbone: Backbone, class_names: list[str], head: HeadFactory | None = None,
                  ignore_index: int = IGNORE_INDEX, aux_weight: float = 0.4, class_weights: list[float] | None = None,

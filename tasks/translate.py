@@ -39,6 +39,7 @@ from datamodules.tokenizer import Tokenizer
 from heads.decoding import Hypotheses, beam_search, greedy_search, max_output_lengths
 from heads.seq2seq import TransformerDecoder
 from tasks.analysis import write_worst_csv
+from tasks import onnx_translation
 from tasks.base import TaskModule
 
 
@@ -118,6 +119,8 @@ class TranslationTask(TaskModule):
 
     DATA_LINKS = {"vocab_size": "vocab_size", "pad_id": "pad_id", "bos_id": "bos_id", "eos_id": "eos_id",
                   "max_positions": "max_positions"}
+    #: the module that writes this task's ONNX graph and checks it (``python -m tasks.translate export``)
+    onnx_export = onnx_translation
 
     def __init__(self, vocab_size: int, pad_id: int = 0, bos_id: int = 2, eos_id: int = 3,
                  max_positions: int = 256, dim: int = 512, encoder_depth: int = 6, decoder_depth: int = 6,

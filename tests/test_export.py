@@ -60,7 +60,7 @@ def export(task: str, *args: str, capsys) -> str:
 def test_classification_export_matches_pytorch_on_demo_test_images(checkpoint, capsys):
     from datamodules.imagefolder import ImageFolderDataModule
     from tasks.classify import ClassificationTask
-    from tasks.export import graph_shapes, ort_session, read_metadata
+    from tasks.onnx_export import graph_shapes, ort_session, read_metadata
 
     ckpt = checkpoint("classify")
     out = export("classify", "--ckpt_path", str(ckpt), "--probabilities", "true", capsys=capsys)
@@ -118,7 +118,8 @@ def test_export_refuses_a_data_option_the_checkpoint_does_not_have(checkpoint, c
 def test_detection_export_matches_pytorch_on_demo_test_images(checkpoint, capsys):
     from datamodules.coco import CocoDataModule
     from tasks.detect import DetectionTask
-    from tasks.export import graph_shapes, match_detections, ort_session, read_metadata
+    from tasks.onnx_detection import match_detections
+    from tasks.onnx_export import graph_shapes, ort_session, read_metadata
 
     ckpt = checkpoint("detect")
     output = ckpt.parent / "exported" / "detector.onnx"
@@ -157,7 +158,8 @@ def test_detection_export_matches_pytorch_on_demo_test_images(checkpoint, capsys
 @pytest.mark.slow
 def test_segmentation_export_matches_pytorch_on_demo_test_images(checkpoint, capsys):
     from datamodules.segmentation import SegmentationDataModule
-    from tasks.export import graph_shapes, label_disagreements, ort_session
+    from tasks.onnx_export import graph_shapes, ort_session
+    from tasks.onnx_segmentation import label_disagreements
     from tasks.segment import SegmentationTask
 
     ckpt = checkpoint("segment")
@@ -222,7 +224,7 @@ def test_translation_export_gives_the_same_hypotheses_on_the_demo_test_set(check
 
 @pytest.mark.slow
 def test_vit_exports_at_its_one_size_and_refuses_another(checkpoint, capsys):
-    from tasks.export import graph_shapes, ort_session
+    from tasks.onnx_export import graph_shapes, ort_session
 
     vit = ["--model.backbone", "backbones.ViT", "--model.backbone.size", "tiny", "--model.backbone.patch_size", "16",
            "--model.backbone.img_size", "64", *FIT["classify"][2:]]  # the classification arguments but the width
@@ -241,7 +243,6 @@ def test_convmixer_graphs_take_any_multiple_of_their_deepest_stride():
     patch size, or of the largest pyramid stride when it builds a pyramid (the slow segmentation check
     runs such a graph, exported at 64 px, on the 128 px demo images)."""
     from backbones.convmixer import ConvMixer
-    from tasks.export import size_multiple
 
-    assert size_multiple(ConvMixer(dim=16, depth=1, kernel_size=3, patch_size=8)) == 8
-    assert size_multiple(ConvMixer(dim=16, depth=1, kernel_size=3, patch_size=8, pyramid_strides=(8, 16, 32))) == 32
+    assert ConvMixer(dim=16, depth=1, kernel_size=3, patch_size=8).size_multiple == 8
+    assert ConvMixer(dim=16, depth=1, kernel_size=3, patch_size=8, pyramid_strides=(8, 16, 32)).size_multiple == 32

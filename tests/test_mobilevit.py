@@ -173,6 +173,22 @@ def test_sizes_not_multiple_of_the_patch_are_resized_like_the_reference(timm_nam
         assert (head(ours.forward_pooled(x)) - reference(x)).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("output_stride,multiple", [(32, 64), (16, 32), (8, 16)])
+def test_size_multiple_is_where_no_block_resizes(output_stride, multiple):
+    """Any multiple of ``size_multiple`` passes every block without its resize branch; half a multiple
+    more does not (the stage maps no longer split into whole 2x2 patches)."""
+    model = MobileViTv2(width=0.5, output_stride=output_stride).eval()
+    assert model.size_multiple == multiple
+    resized = []
+    for block in (b for stage in model.stages for b in stage if hasattr(b, "patch_size")):
+        block.register_forward_hook(lambda m, args, out: resized.append(args[0].shape[-1] % m.patch_size[1] != 0))
+    with torch.no_grad():
+        model(torch.randn(1, 3, 2 * multiple, multiple))
+        assert not any(resized)
+        model(torch.randn(1, 3, 2 * multiple, multiple + multiple // 2))
+    assert any(resized)
+
+
 @pytest.mark.parametrize("attention,kwargs", [("mha", {"num_heads": 2}),
                                               ("linformer", {"attention_kwargs": {"max_len": 64, "proj_len": 8}})])
 def test_v2_takes_any_attention_of_the_zoo(attention, kwargs):

@@ -1,0 +1,45 @@
+"""ONNX graph of a classification checkpoint: ``images (B, 3, H, W) -> logits (B, K)``, plus
+``probabilities (B, K)`` with ``--probabilities true``. Parity is checked at the export size and, when
+the backbone takes other sizes (:attr:`backbones.base.Backbone.size_multiple`), one multiple above it."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from tasks.onnx_export import ATOL, Check, ExportReport, ExportRequest, export_image_graph, parity_images
+
+#: the command's own flags, with their help
+FLAGS = {"probabilities": "also output softmax probabilities (B, K)"}
+
+
+class ClassifierGraph(nn.Module):
+    """images (B, 3, H, W) -> logits (B, K) [, probabilities (B, K)]."""
+
+    def __init__(self, task: nn.Module, probabilities: bool = False):
+        super().__init__()
+        self.task, self.probabilities = task, probabilities
+
+    def forward(self, images: torch.Tensor):
+        logits = self.task(images)
+        return (logits, logits.float().softmax(-1)) if self.probabilities else logits
+
+
+def export(request: ExportRequest) -> ExportReport:
+    """Write the graph of ``request.model`` to ``request.output``, run it with ONNX Runtime and compare."""
+    model = request.model
+    graph = ClassifierGraph(model, request.options.get("probabilities", False)).eval()
+    outputs = ["logits", "probabilities"] if graph.probabilities else ["logits"]
+    docs = {"images": "float32 (batch, 3, height, width), RGB, (pixels / 255 - mean) / std",
+            "logits": "float32 (batch, classes), class i = suite.class_names[i]",
+            "probabilities": "float32 (batch, classes), softmax of logits"}
+    metadata = {"task": "classification", "class_names": model.class_names}
+    report, session, sides = export_image_graph(request, graph, "image_size", outputs, docs, metadata)
+    for images, where in parity_images(sides):
+        with torch.no_grad():
+            expected = graph(images)
+        expected = expected if isinstance(expected, tuple) else (expected,)
+        got = session.run(None, {"images": images.numpy()})
+        for name, e, g in zip(outputs, expected, got):
+            report.checks.append(Check(f"max |{name}| difference, {where}", float(np.abs(e.numpy() - g).max()), ATOL))
+    return report
