@@ -1,6 +1,6 @@
 """First-start cost of a WMT training split: the per-line path of commit 0c8872d against the prepared index.
 
-    python -m tests.wmt_prepare_benchmark [--pairs 200000] [--words 26] [--folder /tmp/wmt-bench]
+    python benchmarks/bench_wmt_prepare.py [--pairs 200000] [--words 26] [--folder /tmp/wmt-bench]
 
 Writes a parallel corpus of ``pairs`` lines of about ``words`` words drawn from a Zipfian vocabulary
 (once, in ``folder``), trains its sentencepiece model (once, cached beside it), then runs each path
@@ -13,7 +13,7 @@ and the RSS it keeps after loading (``resource.getrusage`` and ``/proc/self/stat
   prepared folder, then :class:`datamodules.wmt.ParallelText` on it;
 - ``prepared, later start``: the same with the index already there (mapped, not built).
 
-Not a test (no ``test_`` prefix): it takes minutes and gigabytes at full size.
+It takes minutes and gigabytes at full size.
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as prepared:
         for path, label in (("old", "old (per line, 0c8872d)"), ("new", "prepared, first start"),
                             ("new", "prepared, later start")):
-            out = subprocess.run([sys.executable, "-m", "tests.wmt_prepare_benchmark", "--run", path, str(src), str(tgt),
+            out = subprocess.run([sys.executable, __file__, "--run", path, str(src), str(tgt),
                                   str(model), "--prepared", prepared], cwd=REPO, check=True, capture_output=True,
                                  text=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
