@@ -13,7 +13,6 @@ datamodule, 16-bit PNGs scaled, errors naming the file). Batches are dicts:
 """
 from __future__ import annotations
 
-import logging
 import os
 from functools import partial
 from pathlib import Path
@@ -32,7 +31,9 @@ from datamodules.images import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     OnBadImage,
+    SkippedFiles,
     collate_skipping,
+    entry_kind,
     guarded,
     is_hidden,
     predict_images,
@@ -41,8 +42,6 @@ from datamodules.images import (
 from datamodules.classification_transforms import MixCollate, eval_transform, train_transform
 from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
 from datamodules.prepared import StringTable, folder_signature, prepare
-
-log = logging.getLogger(__name__)
 
 
 def class_folders(split_dir: Path) -> list[str]:
@@ -68,43 +67,35 @@ def _checked_classes(split_dir: Path, classes: Sequence[str] | None) -> tuple[li
     return found, classes
 
 
-def _image_names(folder: Path, skipped: dict[str, list[str]]) -> list[str]:
+def _image_names(folder: Path, skipped: SkippedFiles) -> list[str]:
     """Sorted names of the image files directly in ``folder``, read from the directory entries alone
-    (no ``stat`` per file: the entry's type comes with the listing). Entries left out are added to
-    ``skipped`` by reason; hidden files and sub-folders are not data and are not counted."""
+    (no ``stat`` per file: the entry's type comes with the listing). Entries left out are counted in
+    ``skipped``; hidden files and sub-folders are not data and are not counted."""
     names = []
     with os.scandir(folder) as entries:
         for entry in entries:
             if entry.name.startswith("."):
                 continue
-            if os.path.splitext(entry.name)[1].lower() not in IMAGE_EXTENSIONS:
-                if not entry.is_dir():
-                    skipped["not an image (extension)"].append(f"{folder.name}/{entry.name}")
-            elif entry.is_file():
+            kind = entry_kind(entry)
+            if kind == "image":
                 names.append(entry.name)
-            elif entry.is_symlink():
-                skipped["broken link"].append(f"{folder.name}/{entry.name}")
+            elif kind != "folder":
+                skipped.add(kind, Path(entry.path))
     return sorted(names)
 
 
-def _list_split(split_dir: Path, found: list[str], classes: list[str]) -> tuple[list[str], np.ndarray, dict]:
-    """The images of a split: (paths relative to the split folder, labels, ``{reason: [names]}`` skipped)."""
+def _list_split(split_dir: Path, found: list[str], classes: list[str]) -> tuple[list[str], np.ndarray, SkippedFiles]:
+    """The images of a split: (paths relative to the split folder, labels, what was left out)."""
     label_of = {name: i for i, name in enumerate(classes)}
     paths, labels = [], []
-    skipped: dict[str, list[str]] = {"not an image (extension)": [], "broken link": []}
+    skipped = SkippedFiles()
     for name in found:
         files = _image_names(split_dir / name, skipped)
         if not files:
             raise ValueError(f"class folder {split_dir / name} holds no images (extensions {IMAGE_EXTENSIONS})")
         paths += [f"{name}/{f}" for f in files]
         labels += [label_of[name]] * len(files)
-    return paths, np.asarray(labels, dtype=np.int32), {k: v for k, v in skipped.items() if v}
-
-
-def _report_skipped(split_dir: Path, skipped: dict[str, list[str]]) -> None:
-    for reason, names in skipped.items():
-        log.warning("%s: %d files left out, %s: %s%s", split_dir, len(names), reason, ", ".join(names[:5]),
-                    " ..." if len(names) > 5 else "")
+    return paths, np.asarray(labels, dtype=np.int32), skipped
 
 
 def scan_split(split_dir: Path, classes: Sequence[str] | None = None) -> tuple[list[tuple[Path, int]], list[str]]:
@@ -114,11 +105,12 @@ def scan_split(split_dir: Path, classes: Sequence[str] | None = None) -> tuple[l
     ``classes`` (the training classes, sorted) fixes the label of each folder name, so a
     validation split missing a class never shifts the labels of the others. A class
     folder unknown to training, or with no images, is an error. Hidden folders and files
-    are ignored; other files that are not images, and broken links, are counted in the log.
+    are ignored; other files, broken links and unreadable entries are counted and named once
+    (:class:`datamodules.images.SkippedFiles`).
     """
     found, classes = _checked_classes(split_dir, classes)
     paths, labels, skipped = _list_split(split_dir, found, classes)
-    _report_skipped(split_dir, skipped)
+    skipped.report(split_dir)
     return [(split_dir / p, int(label)) for p, label in zip(paths, labels)], classes
 
 
@@ -149,12 +141,17 @@ def index_split(split_dir: Path, classes: Sequence[str] | None = None,
     def build():
         paths, labels, skipped = _list_split(split_dir, found, classes)
         data, offsets = StringTable.encode(paths)
-        return {"paths": data, "path_offsets": offsets, "labels": labels}, {"skipped": skipped}
+        left_out = {"counts": dict(skipped.counts),
+                    "examples": {reason: [str(p) for p in shown] for reason, shown in skipped.examples.items()}}
+        return {"paths": data, "path_offsets": offsets, "labels": labels}, {"skipped": left_out}
 
     fingerprint = {"classes": classes, "extensions": IMAGE_EXTENSIONS,
                    "folders": folder_signature(split_dir / name for name in found)}
     index = prepare("imagefolder", split_dir, fingerprint, build, prepared_dir)
-    _report_skipped(split_dir, index.meta["skipped"])
+    skipped = SkippedFiles()  # what the listing left out, told on every start as on the first
+    skipped.counts.update(index.meta["skipped"]["counts"])
+    skipped.examples = {reason: [Path(p) for p in shown] for reason, shown in index.meta["skipped"]["examples"].items()}
+    skipped.report(split_dir)
     return SplitIndex(split_dir, StringTable(index["paths"], index["path_offsets"]), index["labels"]), classes
 
 
