@@ -5,26 +5,29 @@
     python benchmarks/gpu_suite.py --check-env      # which optional packages / features are missing
 
 For each task (classify, detect, segment, translate) and each of two recipes -- the demo recipe
-and one paper recipe, at the recipe's full resolution and per-device batch -- it builds the
-recipe's network from the public constructors (``backbones.MobileViTv2``,
-``heads.classifier.ClassifierHead``, ``heads.ssdlite.SSDLiteHead``, ``heads.deeplabv3.DeepLabV3``,
-``backbones.transformer.TransformerEncoder`` + ``heads.seq2seq.TransformerDecoder``) and times its
-training step in a plain loop, in ``bf16-mixed`` and ``16-mixed``, with and without
+and one paper recipe, at the recipe's full resolution and per-device batch -- it builds the task
+class from the recipe's YAML (``configs/*/*.yaml``, its ``base:`` chain included) the way
+``python -m tasks.<task> fit --config <recipe>`` does: the model section goes through jsonargparse's
+parser of ``ClassificationTask``, ``DetectionTask``, ``SegmentationTask`` or ``TranslationTask``;
+batch, resolution, gradient clipping and ``channels_last`` are the recipe's; what the CLI would
+link from the dataset (class count, vocabulary) is the suite's (it loads no data). It times the
+task's training step in a plain loop, in ``bf16-mixed`` and ``16-mixed``, with and without
 ``channels_last`` and ``torch.compile``; the same sizes run through the peers in the same process
 (timm ``mobilevitv2_050/100``, torchvision ``ssdlite320_mobilenet_v3_large`` and
 ``deeplabv3_mobilenet_v3_large``, random weights: nothing is downloaded).
 
 What is measured: the *training step throughput of the network* -- forward, loss, backward,
-gradient clipping where the recipe clips, the recipe's optimizer step (constant learning rate) --
+gradient clipping where the recipe clips, the recipe's optimizer step with the task's parameter
+groups (constant learning rate) --
 under ``torch.autocast`` with the variant's dtype (``GradScaler`` for 16-mixed), on one fixed
 synthetic batch at the recipe's resolution (images uniform in [0, 1], random labels / tokens).
 Data loading, augmentation, metrics, logging and the learning-rate schedule are *not* included
 (see ``bench_loaders.py`` for loaders). Warm-up steps (which include compilation) are excluded
 from timing; the timed steps are bracketed by ``torch.cuda.synchronize``; peak memory is
 ``torch.cuda.max_memory_allocated`` over the timed steps (after ``reset_peak_memory_stats``).
-Losses are stand-ins where the real one needs real targets: cross-entropy on random labels for
-classification, per-pixel segmentation and per-token translation (with the recipe's label
-smoothing); for SSDLite, mean square of the class logits + mean square of the box regression
+Losses: the task's where random targets do -- cross-entropy on random labels for classification
+and per-token translation (with the recipe's label smoothing), the segmentation task's per-pixel
+loss with its auxiliary head where the recipe has one (the peer: per-pixel cross-entropy); for SSDLite, mean square of the class logits + mean square of the box regression
 (the SSD loss needs matched boxes), for ours and the torchvision peer alike. Both detectors run
 their network only (torchvision's resize/normalise transform and its loss are bypassed).
 For the three networks the MobileViTv2 paper gives V100 throughputs for (MobileViTv2-1.0 at
@@ -32,8 +35,8 @@ For the three networks the MobileViTv2 paper gives V100 throughputs for (MobileV
 measured too (eval mode, ``torch.no_grad``, same batch, same autocast) and the paper's number
 is printed beside it.
 
-Compilation mirrors ``--model.compile true`` of the tasks: each sub-network (backbone, head;
-encoder, decoder) is compiled in place; a peer is compiled whole. ``cudnn.benchmark`` is on
+Compilation is the task's own ``--model.compile true`` (``TaskModule.configure_model`` compiles each
+sub-network in place: backbone, head; encoder, decoder); a peer is compiled whole. ``cudnn.benchmark`` is on
 (``--no-cudnn-benchmark`` turns it off).
 
 Time budget: a default run plans 40 eager and 40 compiled variants (peers at the paper recipes'
@@ -57,9 +60,8 @@ Outputs (``--output``, default ``benchmarks/gpu_results/``; ``--tiny``: its ``ti
 ``gpu_suite.md`` (one Markdown table) and ``gpu_suite.json`` (every row, the loss curve
 subsampled, the settings and the machine).
 
-Nothing beyond torch is required: torchvision and timm give the peers (their rows are skipped
-with a note if missing), triton is needed for compiled rows on CUDA, PyYAML for checking the
-suite's copy of the recipe sizes against ``configs/*/*.yaml``.
+The suite needs the project's own requirements (torch, PyYAML, jsonargparse); torchvision and timm
+give the peers (their rows are skipped with a note if missing), triton is needed for compiled rows on CUDA.
 """
 from __future__ import annotations
 
@@ -94,61 +96,74 @@ DEFAULT_OUTPUT = REPO / "benchmarks" / "gpu_results"
 MEASURED = ("training step throughput of the network: forward, loss, backward, gradient clipping as the recipe, "
             "optimizer step, under torch.autocast (GradScaler for 16-mixed), on one fixed synthetic batch at the "
             "recipe's resolution and per-device batch; no data loading, augmentation, metrics or logging")
-LOSSES = ("cross-entropy on random labels (classification; segmentation per pixel; translation per target token; "
-          "label smoothing as the recipe); SSDLite: mean square of class logits + mean square of box regression "
+LOSSES = ("cross-entropy on random labels (classification; segmentation per pixel, the task's loss with its "
+          "auxiliary head where the recipe has one; translation per target token; label smoothing as the recipe); SSDLite: mean square of class logits + mean square of box regression "
           "(stand-in, the SSD loss needs matched boxes), for ours and the torchvision peer alike")
 
 
 # --------------------------------------------------------------------------------------------------
-# imports of the project's networks: public paths first, then where a refactor may have moved them
+# recipes: each network is the task class built from its YAML recipe, as `fit --config` builds it
 # --------------------------------------------------------------------------------------------------
-IMPORTS_USED: dict[str, str] = {}
+#: task -> (module, class) of the LightningModule its CLI trains
+TASK_CLASSES = {"classify": ("tasks.classify", "ClassificationTask"), "detect": ("tasks.detect", "DetectionTask"),
+                "segment": ("tasks.segment", "SegmentationTask"), "translate": ("tasks.translate", "TranslationTask")}
 
 
-def _candidates(package: str, module: str) -> list[str]:
-    return [f"{package}.{module}", package, f"layers.{module}", f"layers.{package}.{module}", f"layers.{package}",
-            "layers"]
-
-
-def load(attr: str, package: str, module: str):
-    """``attr`` from ``package.module`` (or ``package``), else from a ``layers/`` package; which one
-    was used goes into the output, and a failure names every place tried."""
-    errors = []
-    for name in _candidates(package, module):
-        try:
-            obj = getattr(importlib.import_module(name), attr)
-        except Exception as error:  # a half-refactored module may raise anything at import
-            errors.append(f"{name}: {type(error).__name__}: {error}")
-            continue
-        if attr not in IMPORTS_USED:
-            IMPORTS_USED[attr] = f"{name}.{attr}"
-            if name not in (f"{package}.{module}", package):
-                print(f"note: {attr} was not at {package}.{module}; using {name}.{attr}", file=sys.stderr)
-        return obj
-    raise ImportError(f"{attr} not found; tried " + " | ".join(errors))
-
-
-# --------------------------------------------------------------------------------------------------
-# recipes: the suite's copy of each recipe's network, resolution, batch and optimizer
-# --------------------------------------------------------------------------------------------------
 @dataclass
 class Recipe:
     task: str
     name: str                 # "demo" | "paper"
-    source: str               # the YAML whose sizes are copied here
+    source: str               # the YAML recipe the network, optimizer, batch and resolution come from
     network: str              # label of our network
     peer: str | None          # label of the peer network (None: no peer)
-    batch: int                # per-device batch (sentences for translation)
-    size: int                 # image side; translation: tokens per source and per target sentence
-    arch: dict                # architecture arguments
-    optimizer: tuple[str, dict]
-    clip: float = 0.0         # gradient_clip_val of the recipe
-    label_smoothing: float = 0.0
-    channels_last: bool = False  # the recipe's own setting
+    num_classes: int = 0      # classes of the recipe's dataset (a data link: the suite loads no data)
+    tokens: int = 0           # translation: tokens per source and per target sentence
+    timm: str | None = None   # classification peer: timm's name of the same network
     paper_v100: float | None = None  # MobileViTv2 paper, V100 images/s
-    check: dict = field(default_factory=dict)  # dotted YAML keys -> the value used here
     note: str = ""            # shown on our rows
     size_note: str = ""       # about the full sizes (dropped by --tiny)
+    tiny: bool = False        # toy sizes for the CPU smoke run (see :func:`tiny`)
+
+    @property
+    def config(self) -> dict:
+        """The recipe's keys after its ``base:`` chain (later files win, key by key)."""
+        return recipe_config(REPO / self.source)
+
+    @property
+    def batch(self) -> int:
+        if self.tiny:
+            return 2
+        data = self.config["data"]
+        if self.task == "translate":  # token-batched: sentences of `tokens` tokens up to data.max_tokens per side
+            return data["max_tokens"] // self.tokens
+        return data["batch_size"]
+
+    @property
+    def size(self) -> int:
+        """Image side; translation: tokens per source and per target sentence."""
+        if self.task == "translate":
+            return 8 if self.tiny else self.tokens
+        return 32 if self.tiny else self.config["data"]["crop_size" if self.task == "segment" else "image_size"]
+
+    @property
+    def clip(self) -> float:
+        return self.config.get("trainer", {}).get("gradient_clip_val") or 0.0
+
+    @property
+    def channels_last(self) -> bool:
+        """The recipe's own setting."""
+        return bool(self.config["model"].get("channels_last", False))
+
+    @property
+    def data_links(self) -> dict:
+        """The constructor arguments the task's CLI links from the datamodule."""
+        if self.task == "translate":
+            data = self.config["data"]
+            vocab = min(data["vocab_size"], 2000) if self.tiny else data["vocab_size"]
+            return {"vocab_size": vocab, "max_positions": data["max_positions"]}
+        if self.task == "detect":
+            return {"num_classes": self.num_classes}
+        return {"class_names": [str(i) for i in range(self.num_classes)]}
 
     @property
     def unit(self) -> str:
@@ -165,148 +180,83 @@ class Recipe:
         return f"{self.batch}x{self.size}²"
 
 
-ADAMW = "torch.optim.AdamW"
 RECIPES: list[Recipe] = [
     Recipe("classify", "demo", "configs/classify/demo_mobilevitv2.yaml", "MobileViTv2-0.5", "timm mobilevitv2_050",
-           batch=32, size=64, arch=dict(width=0.5, num_classes=10, dropout=0.1, timm="mobilevitv2_050"),
-           optimizer=(ADAMW, dict(lr=0.004, weight_decay=0.05)), clip=10.0, label_smoothing=0.1,
-           check={"data.image_size": 64, "data.batch_size": 32, "model.backbone.init_args.width": 0.5}),
+           num_classes=10, timm="mobilevitv2_050"),
     Recipe("classify", "paper", "configs/classify/imagenet_mobilevitv2_100.yaml", "MobileViTv2-1.0",
-           "timm mobilevitv2_100", batch=128, size=256,
-           arch=dict(width=1.0, num_classes=1000, dropout=0.0, timm="mobilevitv2_100"),
-           optimizer=(ADAMW, dict(lr=0.0075, betas=(0.9, 0.999), weight_decay=0.013)), clip=10.0,
-           label_smoothing=0.1, channels_last=True, paper_v100=2351,
-           check={"data.image_size": 256, "data.batch_size": 128, "model.backbone.init_args.width": 1.0}),
+           "timm mobilevitv2_100", num_classes=1000, timm="mobilevitv2_100", paper_v100=2351),
     Recipe("detect", "demo", "configs/detect/demo_ssdlite_mobilevitv2.yaml", "SSDLite-MobileViTv2-0.5",
-           "torchvision ssdlite320_mobilenet_v3_large", batch=16, size=128,
-           arch=dict(width=0.5, num_classes=10,
-                     head=dict(output_strides=[8, 16, 32, 64], proj_channels=[128, 128, 128, 64],
-                               aspect_ratios=[[2, 3], [2, 3], [2, 3], [2]], min_scale=0.12, max_scale=0.7)),
-           optimizer=(ADAMW, dict(lr=0.002, weight_decay=0.05)), clip=10.0,
-           check={"data.image_size": 128, "data.batch_size": 16, "model.backbone.init_args.width": 0.5}),
+           "torchvision ssdlite320_mobilenet_v3_large", num_classes=10),
     Recipe("detect", "paper", "configs/detect/coco_ssdlite_mobilevitv2_050.yaml", "SSDLite-MobileViTv2-0.5",
-           "torchvision ssdlite320_mobilenet_v3_large", batch=32, size=320,
-           arch=dict(width=0.5, num_classes=80, head={}),
-           optimizer=(ADAMW, dict(lr=0.0009, betas=(0.9, 0.999), weight_decay=0.05)), channels_last=True,
-           paper_v100=2782,
-           check={"data.image_size": 320, "data.batch_size": 32, "model.backbone.init_args.width": 0.5}),
+           "torchvision ssdlite320_mobilenet_v3_large", num_classes=80, paper_v100=2782),
     Recipe("segment", "demo", "configs/segment/demo_deeplabv3_mobilevitv2.yaml", "DeepLabv3-MobileViTv2-0.5",
-           "torchvision deeplabv3_mobilenet_v3_large", batch=8, size=96,
-           arch=dict(width=0.5, output_stride=8, num_classes=11, channels=64, atrous_rates=[2, 4, 6]),
-           optimizer=(ADAMW, dict(lr=0.002, weight_decay=0.01)), clip=10.0,
-           check={"data.crop_size": 96, "data.batch_size": 8, "model.backbone.init_args.width": 0.5,
-                  "model.head.init_args.channels": 64}),
-    Recipe("segment", "paper", "configs/segment/ade20k_deeplabv3_mobilevitv2_100.yaml", "DeepLabv3-MobileViTv2-0.75",
-           "torchvision deeplabv3_mobilenet_v3_large", batch=4, size=512,
-           arch=dict(width=0.75, output_stride=8, num_classes=150, channels=512, atrous_rates=[12, 24, 36]),
-           optimizer=("torch.optim.SGD", dict(lr=0.02, momentum=0.9, weight_decay=1e-4)), clip=10.0,
-           channels_last=True, paper_v100=241,
-           check={"data.crop_size": 512, "data.batch_size": 4, "model.head.init_args.channels": 512},
+           "torchvision deeplabv3_mobilenet_v3_large", num_classes=11),
+    Recipe("segment", "paper", "configs/segment/ade20k_deeplabv3_mobilevitv2_075.yaml", "DeepLabv3-MobileViTv2-0.75",
+           "torchvision deeplabv3_mobilenet_v3_large", num_classes=150, paper_v100=241,
            note="ADE20k recipe at width 0.75 (the paper's throughput row), random init"),
-    Recipe("translate", "demo", "configs/translate/demo_transformer.yaml", "Transformer 256/2+2", None,
-           batch=32, size=16,
-           arch=dict(vocab_size=2000, dim=256, encoder_depth=2, decoder_depth=2, num_heads=4, ffn_dim=1024,
-                     dropout=0.1, max_positions=128),
-           optimizer=("torch.optim.Adam", dict(lr=0.001, betas=(0.9, 0.98), eps=1e-9)), clip=1.0,
-           label_smoothing=0.1,
-           check={"model.dim": 256, "model.encoder_depth": 2, "data.vocab_size": 2000, "data.max_tokens": 512},
+    Recipe("translate", "demo", "configs/translate/demo_transformer.yaml", "Transformer 256/2+2", None, tokens=16,
            size_note="512 tokens per side = data.max_tokens"),
     Recipe("translate", "paper", "configs/translate/wmt14_en_de_transformer_base.yaml", "Transformer base", None,
-           batch=97, size=32,
-           arch=dict(vocab_size=32000, dim=512, encoder_depth=6, decoder_depth=6, num_heads=8, ffn_dim=2048,
-                     dropout=0.1, max_positions=256),
-           optimizer=("torch.optim.Adam", dict(lr=0.000699, betas=(0.9, 0.98), eps=1e-9)), label_smoothing=0.1,
-           check={"model.dim": 512, "model.encoder_depth": 6, "data.vocab_size": 32000, "data.max_tokens": 3125},
-           size_note="3,104 tokens per side ~ data.max_tokens 3125"),
+           tokens=32, size_note="3,104 tokens per side ~ data.max_tokens 3125"),
 ]
 
 
 def tiny(recipe: Recipe) -> Recipe:
     """Toy sizes for the CPU smoke run: the same networks, 2 images of 32 px or 2 sentences of 8 tokens
     (and at most 2,000 words of vocabulary: the vocabulary comes from the data, not the architecture)."""
-    if recipe.task == "translate":
-        arch = dict(recipe.arch, vocab_size=min(recipe.arch["vocab_size"], 2000))
-        return dataclasses.replace(recipe, batch=2, size=8, arch=arch, size_note="")
-    return dataclasses.replace(recipe, batch=2, size=32, size_note="")
+    return dataclasses.replace(recipe, tiny=True, size_note="")
 
 
-def recipe_drift(recipe: Recipe) -> list[str]:
-    """Where the YAML recipe no longer says what the suite copied (the suite keeps running on its copy)."""
-    try:
-        import yaml
-    except ImportError:
-        return []
-    path = REPO / recipe.source
-    if not path.exists():
-        return [f"{recipe.source} not found: the {recipe.task} {recipe.name} row uses the suite's copy of its sizes"]
-    try:
-        config = yaml.safe_load(path.read_text())
-    except Exception as error:
-        return [f"{recipe.source} unreadable ({type(error).__name__}): the suite uses its copy"]
-    notes = []
-    for key, want in recipe.check.items():
-        node = config
-        for part in key.split("."):
-            node = node.get(part, KeyError) if isinstance(node, dict) else KeyError
-        if node is not KeyError and node != want:
-            notes.append(f"{recipe.source}: {key} is {node!r}, the suite uses {want!r}")
-    return notes
+def recipe_layers(path: Path) -> list[dict]:
+    """The YAML files a recipe stacks, its ``base:`` chain first (``base: null`` or no ``base``: the chain ends)."""
+    import yaml
+
+    layers = []
+    while path is not None:
+        content = yaml.safe_load(path.read_text())
+        layers.insert(0, content)
+        base = content.get("base")
+        path = (path.parent / base) if base else None
+    return layers
 
 
-# --------------------------------------------------------------------------------------------------
-# networks: (inputs...) -> outputs, sub-networks as children (each is compiled in place, as the tasks do)
-# --------------------------------------------------------------------------------------------------
-class Classifier(nn.Module):
-    def __init__(self, width: float, num_classes: int, dropout: float):
-        super().__init__()
-        self.backbone = load("MobileViTv2", "backbones", "mobilevitv2")(width=width)
-        self.head = load("ClassifierHead", "heads", "classifier")(self.backbone.num_features, num_classes, dropout)
+def recipe_config(path: Path) -> dict:
+    """A recipe's keys after its base chain, merged key by key (enough for the data and trainer sizes;
+    the model section goes through the task's parser, see :func:`build_task`)."""
+    def merge(into: dict, layer: dict) -> dict:
+        for key, value in layer.items():
+            into[key] = merge(dict(into.get(key) or {}), value) if isinstance(value, dict) else value
+        return into
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone.forward_pooled(images))
-
-
-class Detector(nn.Module):
-    def __init__(self, width: float, num_classes: int, head: dict):
-        super().__init__()
-        self.backbone = load("MobileViTv2", "backbones", "mobilevitv2")(width=width)
-        self.head = load("SSDLiteHead", "heads", "ssdlite")(self.backbone.feature_channels, num_classes, **head)
-
-    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cls_logits, box_regression, _anchors = self.head(self.backbone(images))
-        return cls_logits, box_regression
+    merged: dict = {}
+    for layer in recipe_layers(path):
+        merge(merged, layer)
+    return merged
 
 
-class Segmenter(nn.Module):
-    """Backbone + DeepLabv3 + upsampling to the input size, as the segmentation task runs them."""
+def build_task(recipe: Recipe) -> nn.Module:
+    """The recipe's task (a LightningModule), built as ``python -m tasks.<task> fit --config <source>``
+    builds it: the model sections of the recipe's base chain go through jsonargparse's parser of the
+    task class, the data-linked arguments come from :attr:`Recipe.data_links`, and weights start random
+    (no ``pretrained`` checkpoint is read)."""
+    import yaml
+    from jsonargparse import ActionConfigFile, ArgumentParser
 
-    def __init__(self, width: float, output_stride: int, num_classes: int, channels: int, atrous_rates: list[int]):
-        super().__init__()
-        self.backbone = load("MobileViTv2", "backbones", "mobilevitv2")(width=width, output_stride=output_stride)
-        self.head = load("DeepLabV3", "heads", "deeplabv3")(self.backbone.feature_channels, num_classes,
-                                                           channels=channels, atrous_rates=atrous_rates, dropout=0.1)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        out = self.head(self.backbone(images))["out"]
-        return F.interpolate(out, size=images.shape[-2:], mode="bilinear", align_corners=False)
-
-
-class Seq2Seq(nn.Module):
-    """Encoder + decoder with shared embeddings (teacher forcing): src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
-
-    def __init__(self, vocab_size: int, dim: int, encoder_depth: int, decoder_depth: int, num_heads: int,
-                 ffn_dim: int, dropout: float, max_positions: int):
-        super().__init__()
-        common = dict(vocab_size=vocab_size, dim=dim, num_heads=num_heads, ffn_dim=ffn_dim, dropout=dropout,
-                      max_positions=max_positions, pad_id=0)
-        self.encoder = load("TransformerEncoder", "backbones", "transformer")(depth=encoder_depth, **common)
-        shared = getattr(getattr(self.encoder, "embed", None), "tokens", None)
-        self.decoder = load("TransformerDecoder", "heads", "seq2seq")(depth=decoder_depth, embed_tokens=shared,
-                                                                      **common)
-
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        memory, padding = self.encoder(src)
-        return self.decoder(tgt_in, memory, padding)
+    module, name = TASK_CLASSES[recipe.task]
+    task_class = getattr(importlib.import_module(module), name)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--config", action=ActionConfigFile)
+    parser.add_class_arguments(task_class, "model", fail_untyped=False, sub_configs=True)
+    layers = [{"model": layer["model"]} for layer in recipe_layers(REPO / recipe.source) if layer.get("model")]
+    layers.append({"model": recipe.data_links})
+    config = parser.parse_args([arg for layer in layers for arg in ("--config", yaml.safe_dump(layer))])
+    backbone = config.model.get("backbone")
+    if backbone is not None and backbone.init_args.get("pretrained"):
+        backbone.init_args.pretrained = None
+    if config.model.get("weights"):
+        config.model.weights = None
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # (jsonargparse < 4.49)
+    return instantiate(config).model
 
 
 class TimmPeer(nn.Module):
@@ -350,21 +300,16 @@ class TorchvisionDeepLab(nn.Module):
 
 
 def build_network(recipe: Recipe, kind: str) -> nn.Module:
-    a = recipe.arch
+    if kind == "ours":
+        return build_task(recipe)
     if recipe.task == "classify":
-        if kind == "peer":
-            return TimmPeer(a["timm"], a["num_classes"], a["dropout"])
-        return Classifier(a["width"], a["num_classes"], a["dropout"])
+        dropout = recipe.config["model"].get("head_dropout", 0.0)
+        return TimmPeer(recipe.timm, recipe.num_classes, dropout)
     if recipe.task == "detect":
-        return TorchvisionSSDLite(a["num_classes"]) if kind == "peer" else Detector(a["width"], a["num_classes"],
-                                                                                    a["head"])
+        return TorchvisionSSDLite(recipe.num_classes)
     if recipe.task == "segment":
-        if kind == "peer":
-            return TorchvisionDeepLab(a["num_classes"])
-        return Segmenter(a["width"], a["output_stride"], a["num_classes"], a["channels"], a["atrous_rates"])
-    if recipe.task == "translate":
-        return Seq2Seq(**a)
-    raise ValueError(recipe.task)
+        return TorchvisionDeepLab(recipe.num_classes)
+    raise ValueError(f"{recipe.task} has no peer")
 
 
 def make_batch(recipe: Recipe, device: torch.device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
@@ -372,11 +317,11 @@ def make_batch(recipe: Recipe, device: torch.device) -> tuple[tuple[torch.Tensor
     gen = torch.Generator().manual_seed(0)
     b, s = recipe.batch, recipe.size
     if recipe.task == "translate":
-        vocab = recipe.arch["vocab_size"]
+        vocab = recipe.data_links["vocab_size"]
         src, tgt_in, tgt_out = (torch.randint(4, vocab, (b, s), generator=gen) for _ in range(3))
         return (src.to(device), tgt_in.to(device)), tgt_out.to(device)
     images = torch.rand(b, 3, s, s, generator=gen).to(device)
-    k = recipe.arch["num_classes"]
+    k = recipe.num_classes
     if recipe.task == "classify":
         return (images,), torch.randint(0, k, (b,), generator=gen).to(device)
     if recipe.task == "segment":
@@ -384,19 +329,29 @@ def make_batch(recipe: Recipe, device: torch.device) -> tuple[tuple[torch.Tensor
     return (images,), None
 
 
-def compute_loss(recipe: Recipe, outputs, target: torch.Tensor | None) -> torch.Tensor:
+def compute_loss(model: nn.Module, recipe: Recipe, outputs, target: torch.Tensor | None) -> torch.Tensor:
+    """The task's loss where it needs no more than random targets; stand-ins elsewhere (see ``LOSSES``)."""
     if recipe.task == "detect":
-        return sum(o.float().pow(2).mean() for o in outputs)
+        return sum(o.float().pow(2).mean() for o in outputs[:2])
+    if isinstance(outputs, dict):  # a segmentation network: {"out"} (+ "aux" while training)
+        if hasattr(model, "losses"):
+            return model.losses(outputs, target)["loss"]
+        outputs = outputs["out"]
+    smoothing = getattr(model, "label_smoothing", 0.0)
     if recipe.task == "translate":
-        return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), target.reshape(-1), ignore_index=0,
-                               label_smoothing=recipe.label_smoothing)
-    return F.cross_entropy(outputs, target, label_smoothing=recipe.label_smoothing)
+        return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]).float(), target.reshape(-1),
+                               ignore_index=model.pad_id, label_smoothing=smoothing)
+    return F.cross_entropy(outputs.float(), target, label_smoothing=smoothing)
 
 
-def make_optimizer(recipe: Recipe, params) -> torch.optim.Optimizer:
-    path, kwargs = recipe.optimizer
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)(params, **kwargs)
+def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
+    """Ours: the recipe's optimizer with the task's parameter groups (its schedule is not stepped:
+    constant learning rate); a peer: the same optimizer class and arguments on all its parameters."""
+    if hasattr(model, "configure_optimizers"):
+        return model.configure_optimizers()["optimizer"]
+    optimizer = recipe.config["model"]["optimizer"]
+    module, _, name = optimizer["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module), name)(model.parameters(), **optimizer.get("init_args", {}))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -482,13 +437,15 @@ def measure(run: Run, args, device: torch.device) -> dict:
         torch.manual_seed(0)
         model = build_network(recipe, run.kind).to(device)
         row["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 3)
-        if run.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        optimizer = make_optimizer(recipe, model.parameters())
-        if run.compile:
-            for child in model.children():
-                if any(True for _ in child.parameters()):
-                    child.compile()
+        if run.kind == "ours":  # the task's own set-up: memory format of weights and inputs, compilation
+            model.channels_last, model.compile_networks = run.channels_last, run.compile
+            model.configure_model()
+        else:
+            if run.channels_last:
+                model = model.to(memory_format=torch.channels_last)
+            if run.compile:
+                model.compile()
+        optimizer = make_optimizer(model, recipe)
         inputs, target = make_batch(recipe, device)
         if run.channels_last:
             inputs = tuple(x.contiguous(memory_format=torch.channels_last) for x in inputs)
@@ -499,7 +456,7 @@ def measure(run: Run, args, device: torch.device) -> dict:
         def step() -> torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=dtype):
-                loss = compute_loss(recipe, model(*inputs), target)
+                loss = compute_loss(model, recipe, model(*inputs), target)
             scaler.scale(loss).backward()
             if recipe.clip:
                 scaler.unscale_(optimizer)
@@ -621,10 +578,6 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "that network (measured on a V100; compare with the infer column, not train)",
         "- ours/peer: training throughput ratio against the peer row of the same variant (> 1: ours faster)",
     ]
-    if meta.get("imports_moved"):
-        lines.append(f"- imports found outside their public path: {meta['imports_moved']}")
-    if meta.get("recipe_drift"):
-        lines.append("- recipe drift (the suite ran its own copy): " + "; ".join(meta["recipe_drift"]))
     lines += [
         "",
         "| task | recipe | network | params M | batch x input | precision | ch.last | compile | steps "
@@ -668,12 +621,12 @@ def check_env() -> int:
         except Exception as error:
             return f"broken ({type(error).__name__}: {error})"
 
-    needed = {"torch": "everything"}
+    needed = {"torch": "everything", "yaml": "reading the recipes (PyYAML)",
+              "jsonargparse": "building each task from its recipe, as the CLIs do"}
     optional = {
         "torchvision": "detection and segmentation peers",
         "timm": "classification peer (mobilevitv2_050/100)",
         "triton": "compiled rows on CUDA (torch.compile's GPU backend)",
-        "yaml": "checking the suite's copy of recipe sizes against configs/*/*.yaml (PyYAML)",
     }
     missing_needed, missing_optional = [], []
     print("package       version          used for")
@@ -787,9 +740,6 @@ def main(argv=None) -> int:
         torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
 
     runs = plan(args)
-    drift = sorted({note for run in runs for note in recipe_drift(run.recipe)})
-    for note in drift:
-        print(f"recipe drift: {note}", file=sys.stderr)
     meta = {
         "command": "python benchmarks/gpu_suite.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -800,7 +750,7 @@ def main(argv=None) -> int:
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device.type == "cuda" else None,
         "steps": args.steps, "warmup": args.warmup, "max_run_seconds": args.max_run_seconds,
         "budget_s": args.budget_s, "tiny": args.tiny, "measured": MEASURED, "loss": LOSSES,
-        "recipe_drift": drift, "imports": IMPORTS_USED, "wall_s": 0.0,
+        "recipes": {f"{r.task} {r.name}": r.source for r in RECIPES}, "wall_s": 0.0,
     }
     print(f"{len(runs)} runs on {meta['device_name']}; output {args.output}", flush=True)
     rows: dict[int, dict] = {id(run): base_row(run) for run in runs}
@@ -828,7 +778,6 @@ def main(argv=None) -> int:
             result = f"{row['status']}: {row['note']}"
         print(f"[{i}/{len(runs)} {time.perf_counter() - start:5.0f}s] {what}: {result}", flush=True)
         meta["wall_s"] = round(time.perf_counter() - start, 1)
-        meta["imports_moved"] = {k: v for k, v in IMPORTS_USED.items() if not v.startswith(("backbones.", "heads."))}
         ordered = [rows[id(r)] for r in sorted(runs, key=Run.order)]
         write_outputs(args.output, ordered, meta)
     counts = {s: sum(r["status"] == s for r in rows.values()) for s in ("ok", "skipped", "error")}
