@@ -32,6 +32,7 @@ from datamodules.images import (IMAGE_EXTENSIONS, OnBadImage, collate_skipping, 
                                guarded, list_images, read_rgb)
 from datamodules.detection_transforms import (AUGMENTATIONS, detection_train_transform, eval_transform,  # noqa: F401
                                              ssd_train_transform)
+from datamodules.input_spec import InputSpec, detection_spec
 from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
 
 
@@ -76,8 +77,14 @@ class ImageFiles(Dataset):
         pixels = guarded(lambda: read_rgb(path), path, self.on_bad_image)
         if pixels is None:
             return None
-        info = {"path": str(path), "orig_size": tuple(int(s) for s in pixels.shape[-2:])}
-        return self.transform(tv_tensors.Image(pixels)), info
+        return image_item(pixels, str(path), self.transform)
+
+
+def image_item(pixels: torch.Tensor, path: str, transform) -> tuple[torch.Tensor, dict]:
+    """(3, H, W) uint8 upright pixels -> the ``predict`` item ``(image, {"path", "orig_size"})``; shared by
+    :class:`ImageFiles`, the streamed predict split and ``DetectionTask.predict`` (:mod:`tasks.api`)."""
+    info = {"path": path, "orig_size": tuple(int(s) for s in pixels.shape[-2:])}
+    return transform(tv_tensors.Image(pixels)), info
 
 
 def check_augmentation(augmentation: str, zoom_out_max: float | None) -> None:
@@ -157,8 +164,7 @@ def streamed_image_item(sample: dict, where: str, transform, on_bad_image: OnBad
     pixels = guarded(lambda: decode_rgb_bytes(sample["image"], where), where, on_bad_image)
     if pixels is None:
         return None
-    info = {"path": sample["path"], "orig_size": tuple(int(s) for s in pixels.shape[-2:])}
-    return transform(tv_tensors.Image(pixels)), info
+    return image_item(pixels, sample["path"], transform)
 
 
 def stack_detection(items: list[tuple[torch.Tensor, dict]]) -> dict:
@@ -206,11 +212,17 @@ class DetectionDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         raise NotImplementedError
 
 
+    @property
+    def input_spec(self) -> InputSpec:
+        """How images enter the network at evaluation: resized to the ``image_size`` square, normalised
+        with ``mean`` / ``std`` (:mod:`datamodules.input_spec`); the task keeps it in its checkpoint."""
+        return detection_spec(self.hparams)
+
     def transform(self, train: bool):
         h = self.hparams
         return (detection_train_transform(h.augmentation, h.image_size, h.mean, h.std, h.zoom_out_max, h.iou_crop,
                                           h.hflip) if train
-                else eval_transform(h.image_size, h.mean, h.std))
+                else self.input_spec.eval_transform())
 
     def streamed_split(self, name, train: bool = False, use_difficult: bool = True):
         """Split ``name`` of the optimized dataset, its items those of the folder-read split."""
@@ -231,7 +243,7 @@ class DetectionDataModule(SplitLoaders, StreamedSource, LightningDataModule):
             self.test_set = self.split(self.test_split)
         if stage == "predict":
             # with predict_path, root is not touched: no demo build, no annotation read
-            transform = eval_transform(h.image_size, h.mean, h.std)
+            transform = self.transform(train=False)
             if not h.predict_path and self.streamed is not None:
                 item = partial(streamed_image_item, transform=transform, on_bad_image=h.on_bad_image)
                 self.predict_set = self.streamed.split(self.test_split, item)

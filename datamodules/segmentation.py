@@ -71,9 +71,10 @@ from datamodules.images import (
     predict_images,
     read_rgb_array,
 )
+from datamodules.input_spec import InputSpec, segmentation_spec
 from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
 from datamodules.segmentation_cvnets import CvnetsTrainTransform
-from datamodules.segmentation_transforms import IGNORE_INDEX, eval_transform, train_transform
+from datamodules.segmentation_transforms import IGNORE_INDEX, train_transform
 
 VOC_CLASSES = (
     "background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
@@ -555,6 +556,13 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         return len(self.class_names)
 
     @property
+    def input_spec(self) -> InputSpec:
+        """How images enter the network at evaluation: the short side resized to ``eval_short_side``,
+        normalised with ``mean`` / ``std``; ``crop_size`` is the training (and export) size
+        (:mod:`datamodules.input_spec`). The task keeps it in its checkpoint."""
+        return segmentation_spec(self.hparams)
+
+    @property
     def mask_format(self) -> MaskFormat:
         """Decoding masks checks values against the number of classes, so this reads ``root``."""
         return MaskFormat.of(self.hparams.dataset, self.num_classes)
@@ -648,7 +656,7 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
             if self.streamed is not None:
                 return self._streamed_dataset(stage, transform)
             return self._train_set(transform)
-        transform = eval_transform(h.eval_short_side, h.mean, h.std)
+        transform = self.input_spec.eval_transform()
         if self.streamed is not None and not (stage == "predict" and h.predict_path):
             return self._streamed_dataset(stage, transform)
         if stage == "predict":

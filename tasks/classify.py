@@ -20,14 +20,16 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 
 from backbones import Backbone
 from backbones.weights import classifier_state, load_pretrained
+from datamodules.input_spec import classification_spec, input_spec_of
 from heads.classifier import ClassifierHead
 from tasks.analysis import (displayable, draw_after_metrics, with_caption, write_confusion_matrix_png,
                             write_worst_csv)
 from tasks import onnx_classification
+from tasks.api import Predictor
 from tasks.base import TaskModule
 
 
-class ClassificationTask(TaskModule):
+class ClassificationTask(Predictor, TaskModule):
     """Backbone + :class:`ClassifierHead` trained with (label-smoothed, possibly soft-target) cross-entropy.
 
     Args:
@@ -45,6 +47,8 @@ class ClassificationTask(TaskModule):
     """
 
     DATA_LINKS = {"classes": "class_names"}
+    #: the input specification of an image-folder datamodule's arguments (see :class:`tasks.api.Predictor`)
+    input_spec_rule = staticmethod(classification_spec)
     #: the module that writes this task's ONNX graph and checks it (``python -m tasks.classify export``)
     onnx_export = onnx_classification
 
@@ -73,8 +77,8 @@ class ClassificationTask(TaskModule):
         self._samples: list[tuple] = []
 
     def example_input(self, datamodule) -> torch.Tensor | None:
-        size = datamodule.hparams.get("image_size")
-        return torch.zeros(1, 3, size, size) if size else None
+        spec = input_spec_of(datamodule, self.input_spec_rule)
+        return torch.zeros(1, 3, spec.image_size, spec.image_size) if spec is not None else None
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) -> logits (B, num_classes)."""
@@ -201,14 +205,26 @@ class ClassificationTask(TaskModule):
     def on_predict_epoch_start(self) -> None:
         self._predict_rows = []
 
+    def top_classes(self, images: torch.Tensor, k: int = 5) -> tuple[list[list[float]], list[list[int]]]:
+        """(B, 3, S, S) network inputs -> per image the ``k`` highest probabilities and their labels, best first."""
+        probs = self(images).float().softmax(-1)
+        top = probs.topk(min(k, probs.shape[-1]), dim=-1)
+        return top.values.tolist(), top.indices.tolist()
+
     def predict_step(self, batch: dict, batch_idx: int) -> None:
         if "image" not in batch:
             return
-        probs = self(batch["image"]).float().softmax(-1)
-        top = probs.topk(min(5, probs.shape[-1]), dim=-1)
-        for index, path, scores, labels in zip(batch["index"].tolist(), batch["path"], top.values.tolist(),
-                                               top.indices.tolist()):
+        top_scores, top_labels = self.top_classes(batch["image"])
+        for index, path, scores, labels in zip(batch["index"].tolist(), batch["path"], top_scores, top_labels):
             self._predict_rows.append((index, path, scores, labels))
+
+    def predict_inputs(self, inputs: list, top_k: int = 5) -> list[list[tuple[str, float]]]:
+        """``model.predict(images, top_k=5)`` (:mod:`tasks.api`): per image ``[(class name, probability), ...]``,
+        the ``top_k`` most probable classes, best first."""
+        images, _ = self.prepared_images(inputs)
+        top_scores, top_labels = self.top_classes(torch.stack(images).to(self.device), top_k)
+        return [[(self.class_names[label], score) for label, score in zip(labels, scores)]
+                for scores, labels in zip(top_scores, top_labels)]
 
     def on_predict_epoch_end(self) -> None:
         rows = sorted(self.all_gather_objects(self._predict_rows))

@@ -30,10 +30,12 @@ from typing import Callable
 import torch
 
 from backbones import Backbone
+from datamodules.input_spec import detection_spec, input_spec_of
 from datamodules.images import output_names, read_rgb
 from heads.ssdlite import SSDLiteHead
 from tasks.analysis import displayable, draw_after_metrics, drawable_boxes, write_worst_csv
 from tasks import onnx_detection
+from tasks.api import Predictor
 from tasks.base import TaskModule
 from tasks.coco_map import MAP_KEYS, CocoMeanAveragePrecision, coco_per_class
 
@@ -71,7 +73,7 @@ def image_f1(det_boxes: torch.Tensor, det_labels: torch.Tensor, gt_boxes: torch.
     return 2 * true_pos / (2 * true_pos + false_pos + missed) if true_pos + false_pos + missed else 1.0
 
 
-class DetectionTask(TaskModule):
+class DetectionTask(Predictor, TaskModule):
     """Backbone + detection head (SSDLite), trained with the multibox loss, scored with COCO mAP.
 
     Args:
@@ -91,6 +93,8 @@ class DetectionTask(TaskModule):
     """
 
     DATA_LINKS = {"num_classes": "num_classes", "category_ids": "category_ids", "category_names": "category_names"}
+    #: the input specification of a detection datamodule's arguments (see :class:`tasks.api.Predictor`)
+    input_spec_rule = staticmethod(detection_spec)
     #: the module that writes this task's ONNX graph and checks it (``python -m tasks.detect export``)
     onnx_export = onnx_detection
 
@@ -117,8 +121,8 @@ class DetectionTask(TaskModule):
         self._predictions: list[dict] = []
 
     def example_input(self, datamodule) -> torch.Tensor | None:
-        size = datamodule.hparams.get("image_size")
-        return torch.zeros(1, 3, size, size) if size else None
+        spec = input_spec_of(datamodule, self.input_spec_rule)
+        return torch.zeros(1, 3, spec.image_size, spec.image_size) if spec is not None else None
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -306,23 +310,42 @@ class DetectionTask(TaskModule):
     def on_predict_epoch_start(self) -> None:
         self._predictions = []
 
+    def detections_in_original_pixels(self, images: torch.Tensor, orig_sizes: list[tuple[int, int]],
+                                      score_threshold: float | None = None) -> list[dict[str, torch.Tensor]]:
+        """(B, 3, S, S) network inputs of images of ``orig_sizes`` (height, width) -> per image ``{"boxes" (D, 4)
+        xyxy in original pixels, "scores", "labels"}``, the detections scoring at least ``score_threshold``
+        (default ``display_score_threshold``)."""
+        threshold = self.display_score_threshold if score_threshold is None else score_threshold
+        infos = [{"orig_size": tuple(int(v) for v in size)} for size in orig_sizes]
+        detections = self.to_original_pixels(self.detect(images), infos, tuple(images.shape[-2:]))
+        return [{k: v[det["scores"] >= threshold] for k, v in det.items()} for det in detections]
+
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
         if "image" not in batch:
             return []
-        images = batch["image"]
-        infos = [{"path": path, "orig_size": tuple(int(v) for v in size)}
-                 for path, size in zip(batch["path"], batch["orig_size"].tolist())]
-        detections = self.to_original_pixels(self.detect(images), infos, tuple(images.shape[-2:]))
+        sizes = batch["orig_size"].tolist()
         rows = []
-        for det, info in zip(detections, infos):
-            keep = det["scores"] >= self.display_score_threshold
-            records = self.records({k: v[keep] for k, v in det.items()})
-            for r, label in zip(records, det["labels"][keep].tolist()):
+        for det, path, (height, width) in zip(self.detections_in_original_pixels(batch["image"], sizes),
+                                              batch["path"], sizes):
+            records = self.records(det)
+            for r, label in zip(records, det["labels"].tolist()):
                 r["category_name"] = self.category_names[label]
-            rows.append({"image": info["path"], "height": info["orig_size"][0], "width": info["orig_size"][1],
-                         "detections": records})
+            rows.append({"image": path, "height": height, "width": width, "detections": records})
         self._predictions += rows
         return rows
+
+    def predict_inputs(self, inputs: list, score_threshold: float | None = None) -> list[list[dict]]:
+        """``model.predict(images, score_threshold=None)`` (:mod:`tasks.api`): per image ``[{"box": [x1, y1, x2,
+        y2] in original pixels, "score", "category_id", "category_name"}, ...]``, best first, scoring at least
+        ``score_threshold`` (default ``display_score_threshold``, as `predict` writes)."""
+        images, read = self.prepared_images(inputs)
+        sizes = [tuple(pixels.shape[-2:]) for pixels, _ in read]
+        detections = self.detections_in_original_pixels(torch.stack(images).to(self.device), sizes, score_threshold)
+        return [[{"box": box, "score": score, "category_id": self.category_ids[label],
+                  "category_name": self.category_names[label]}
+                 for box, score, label in zip(det["boxes"].float().cpu().tolist(), det["scores"].float().cpu().tolist(),
+                                              det["labels"].cpu().tolist())]
+                for det in detections]
 
     def on_predict_epoch_end(self) -> None:
         rows = self.all_gather_objects(self._predictions)

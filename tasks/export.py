@@ -1,7 +1,8 @@
 """``python -m tasks.<task> export --ckpt_path CKPT [--output FILE] [--opset N]``: a checkpoint as ONNX.
 
-The checkpoint supplies the model (as for ``validate``/``test``/``predict``); data options it
-recorded may be overridden (``--data.image_size 256``). The command writes the graph next to
+The checkpoint supplies the model (as for ``validate``/``test``/``predict``) and its input specification
+(:class:`datamodules.input_spec.InputSpec`: size, mean, std), whose size, mean and std may be overridden
+(``--data.image_size 256``; segmentation's ``--data.crop_size``). The command writes the graph next to
 the checkpoint (``<ckpt stem>.onnx``) unless ``--output`` says otherwise, runs it with ONNX
 Runtime against the PyTorch model on seeded random inputs, and prints where it wrote and the
 difference it measured. Every input and output is named and the batch size is dynamic. What
@@ -19,12 +20,14 @@ not such a multiple.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
 
+from datamodules.input_spec import InputSpec
 from tasks.onnx_export import (DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, ExportReport, ExportRequest, check_opset,
                                require_export_extra)
 
@@ -45,8 +48,8 @@ def export_parser(model_class: type, prog: str):
 
     parser = ArgumentParser(prog=prog, description=(
         "Export the checkpoint's model to ONNX, check it with ONNX Runtime against PyTorch, and print where it "
-        "wrote and the difference measured. --data.KEY VALUE overrides a data option the checkpoint recorded "
-        "(--data.image_size for classification and detection, --data.crop_size for segmentation)."),
+        "wrote and the difference measured. --data.image_size N (--data.crop_size N for segmentation), --data.mean and "
+        "--data.std override the input specification the checkpoint carries."),
         exit_on_error=True)
     parser.add_argument("--ckpt_path", type=str, required=True, help="a checkpoint of this task, written by fit")
     parser.add_argument("--output", type=str | None, default=None,
@@ -80,6 +83,25 @@ def split_data_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]
     return rest, data
 
 
+#: ``--data.KEY`` options that change the input specification an image graph is exported with
+SPEC_OPTIONS = {"image_size": "image_size", "crop_size": "image_size", "mean": "mean", "std": "std"}
+
+
+def export_spec(model, overrides: dict[str, Any]) -> InputSpec | None:
+    """The model's input specification (from its checkpoint) with the command line's size (``--data.image_size``,
+    segmentation's ``--data.crop_size``), ``--data.mean`` and ``--data.std``; for a checkpoint that records none,
+    the task's rule applied to those options alone."""
+    trained = getattr(model, "input_spec", None)
+    changes = {SPEC_OPTIONS[key]: value for key, value in overrides.items() if key in SPEC_OPTIONS}
+    if trained is not None:
+        return dataclasses.replace(trained, **changes)
+    rule = getattr(model, "input_spec_rule", None)
+    try:
+        return rule(overrides) if rule is not None and changes else None
+    except KeyError:  # no size among them
+        return None
+
+
 def run_export(argv: Sequence[str], model_class: type, prog: str = "export") -> ExportReport:
     """``export`` for ``model_class``'s task: parse ``argv`` (the arguments after ``export``), export, check, print."""
     from tasks.base import qualified_name
@@ -100,7 +122,6 @@ def run_export(argv: Sequence[str], model_class: type, prog: str = "export") -> 
         known = ", ".join(k for k in data if not k.startswith("_"))
         raise ValueError(f"--data.{unknown[0]} is not a data option of this checkpoint's datamodule "
                          f"({data.get('_class_path', '?')}: {known})")
-    recorded, data = data, {**data, **overrides}
     del checkpoint
     # the class from its module, also under `python -m tasks.<task>` (where model_class lives in __main__,
     # whose forward references Lightning's rebuild of the arguments cannot resolve)
@@ -109,7 +130,8 @@ def run_export(argv: Sequence[str], model_class: type, prog: str = "export") -> 
     model = task_class.load_from_checkpoint(args.ckpt_path, map_location="cpu", weights_only=True).eval()
     output = Path(args.output) if args.output else Path(args.ckpt_path).with_suffix(".onnx")
     options = {flag: getattr(args, flag) for flag in exporter.FLAGS}
-    report = exporter.export(ExportRequest(model, data, recorded, output, args.opset, options))
+    spec = export_spec(model, overrides)
+    report = exporter.export(ExportRequest(model, spec, getattr(model, "input_spec", None), output, args.opset, options))
     report.notes.insert(0, f"opset {args.opset}, from {Path(args.ckpt_path).resolve()}")
     print(report, flush=True)
     if not report.ok:

@@ -34,7 +34,7 @@ def export(request: ExportRequest) -> ExportReport:
             "logits": "float32 (batch, classes), class i = suite.class_names[i]",
             "probabilities": "float32 (batch, classes), softmax of logits"}
     metadata = {"task": "classification", "class_names": model.class_names}
-    report, session, sides = export_image_graph(request, graph, "image_size", outputs, docs, metadata)
+    report, session, sides = export_image_graph(request, graph, outputs, docs, metadata)
     for images, where in parity_images(sides):
         with torch.no_grad():
             expected = graph(images)

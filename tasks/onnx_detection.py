@@ -102,8 +102,8 @@ class DetectorGraph(nn.Module):
 
 def export(request: ExportRequest) -> ExportReport:
     """Write the graph(s) of ``request.model`` to ``request.output``, run them with ONNX Runtime and compare."""
-    model, data, output, opset = request.model, request.data, request.output, request.opset
-    size, trained = request.image_size("image_size")
+    model, output, opset = request.model, request.output, request.opset
+    size, trained = request.image_size()
     graph = DetectorGraph(model).eval()
     images = seeded_images(2, size, size)
     run_torch(model, images, model.backbone, trained)  # also caches the anchors for this size
@@ -117,7 +117,7 @@ def export(request: ExportRequest) -> ExportReport:
     metadata = {"task": "detection", "category_ids": model.category_ids, "category_names": model.category_names,
                 "score_threshold": head.score_threshold, "nms_threshold": head.nms_threshold,
                 "topk_candidates": head.topk_candidates, "detections_per_image": head.detections_per_image,
-                **image_metadata(data, size, None)}
+                **image_metadata(request.spec, size, None)}
     export_graph(graph, (images,), output, ["images"], ["boxes", "scores", "labels", "num_detections"],
                  {"images": {0: "batch"}}, opset, metadata, docs, CUSTOM_TRANSLATIONS)
     report = ExportReport([output], [size_note(None, size, "the anchors are constants of the graph")])

@@ -21,6 +21,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
+from datamodules.input_spec import InputSpec
+
 #: the oldest opset the exporter writes without conversion (ONNX Runtime >= 1.14) and the newest it knows
 MIN_OPSET, MAX_OPSET = 18, 23
 DEFAULT_OPSET = 18
@@ -140,25 +142,28 @@ class ExportReport:
 # -- what an export gets --------------------------------------------------------------------------------
 @dataclass
 class ExportRequest:
-    """What an exporter gets: the model, the data options (``recorded`` by the checkpoint, and with the
-    command line's overrides in ``data``), where to write, the opset and the task's own flags."""
+    """What an exporter gets: the model, the input specification to export at (the checkpoint's,
+    :attr:`tasks.api.Predictor.input_spec`, with the command line's ``--data.*`` size / mean / std) and the one it
+    was ``trained`` with, where to write, the opset and the task's own flags."""
 
     model: nn.Module
-    data: dict
-    recorded: dict
+    spec: InputSpec | None
+    trained: InputSpec | None
     output: Path
     opset: int
     options: dict
 
-    def image_size(self, key: str) -> tuple[int, str]:
-        """(the size to export at, the size the checkpoint recorded, as text) from data option ``key``."""
-        size = self.data.get(key)
+    def image_size(self) -> tuple[int, str]:
+        """(the size to export at, the size the checkpoint was trained at, as text)."""
+        size = self.spec.image_size if self.spec is not None else None
         if size is None:
-            raise ValueError(f"the checkpoint records no data.{key} (the input size to export at): give --data.{key} N")
+            raise ValueError("the checkpoint records no input size (its input_spec) to export at: give "
+                             "--data.image_size N (--data.crop_size N for segmentation)")
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"--data.{key} must be a positive whole number of pixels, got {size!r}")
-        recorded = self.recorded.get(key)
-        return size, f"{recorded}x{recorded}" if recorded is not None else "an unrecorded size"
+            raise ValueError(f"the export size must be a positive whole number of pixels, got {size!r} "
+                             "(--data.image_size / --data.crop_size)")
+        trained = self.trained.image_size if self.trained is not None else None
+        return size, f"{trained}x{trained}" if trained is not None else "an unrecorded size"
 
 
 def seeded_images(batch: int, height: int, width: int, seed: int = 0) -> torch.Tensor:
@@ -192,9 +197,10 @@ def size_note(multiple: int | None, size: int, why_fixed: str) -> str:
     return f"height and width: any multiples of {multiple} (exported at {size}x{size}); batch size dynamic"
 
 
-def image_metadata(data: dict, size: int, multiple: int | None) -> dict:
+def image_metadata(spec: InputSpec, size: int, multiple: int | None) -> dict:
     return {"image_size": [size, size], "size_multiple": multiple, "channel_order": "RGB",
-            "mean": data.get("mean"), "std": data.get("std"),
+            "mean": list(spec.mean), "std": list(spec.std), "eval_resize": spec.resize,
+            "resize_size": spec.resize_size,
             "normalisation": "images = (pixels / 255 - mean) / std, float32, (B, 3, H, W)"}
 
 
@@ -205,17 +211,17 @@ def io_note(session) -> str:
     return f"{inputs} -> {outputs}"
 
 
-def export_image_graph(request: ExportRequest, graph: nn.Module, size_key: str, outputs: Sequence[str],
+def export_image_graph(request: ExportRequest, graph: nn.Module, outputs: Sequence[str],
                        docs: dict[str, str], metadata: dict[str, Any]) -> tuple[ExportReport, Any, list[int]]:
-    """Export a graph of ``images (B, 3, H, W)`` at data option ``size_key``'s size, with dynamic height
+    """Export a graph of ``images (B, 3, H, W)`` at the input specification's size, with dynamic height
     and width where the backbone takes other sizes. Returns (the report with its size and I/O notes,
     the ONNX Runtime session, the sides to check parity at: the export size and one multiple above)."""
     model = request.model
-    size, trained = request.image_size(size_key)
+    size, trained = request.image_size()
     multiple, axes = image_plan(model.backbone, size)
     images = seeded_images(2, size, size)
     run_torch(graph, images, model.backbone, trained)
-    metadata = {**metadata, **image_metadata(request.data, size, multiple)}
+    metadata = {**metadata, **image_metadata(request.spec, size, multiple)}
     export_graph(graph, (images,), request.output, ["images"], outputs, {"images": axes}, request.opset, metadata, docs)
     report = ExportReport([request.output], [size_note(multiple, size, model.backbone.fixed_size_reason)])
     session = ort_session(request.output)

@@ -35,7 +35,7 @@ def export(request: ExportRequest) -> ExportReport:
             "labels": "int64 (batch, height, width), the arg-max class per pixel, class i = suite.class_names[i]",
             "logits": "float32 (batch, classes, height, width), upsampled bilinearly to the input size"}
     metadata = {"task": "segmentation", "class_names": model.class_names}
-    report, session, sides = export_image_graph(request, graph, "crop_size", outputs, docs, metadata)
+    report, session, sides = export_image_graph(request, graph, outputs, docs, metadata)
     for images, where in parity_images(sides):
         with torch.no_grad():
             logits = model(images)["out"]

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from datamodules.images import read_rgb_array
+from datamodules.input_spec import input_spec_of, segmentation_spec
 from datamodules.segmentation_transforms import IGNORE_INDEX
 from torchmetrics.classification import MulticlassConfusionMatrix
 
@@ -41,6 +42,7 @@ from heads.deeplabv3 import DeepLabV3
 from heads.seg_common import SegmentationHead
 from tasks.analysis import displayable, draw_after_metrics, write_worst_csv
 from tasks import onnx_segmentation
+from tasks.api import Predictor
 from tasks.base import TaskModule
 
 
@@ -99,7 +101,7 @@ class SegmentationMetric(MulticlassConfusionMatrix):
         return confusion_scores(self.compute())
 
 
-class SegmentationTask(TaskModule):
+class SegmentationTask(Predictor, TaskModule):
     """Backbone + segmentation head, trained with pixel-wise cross-entropy.
 
     Args:
@@ -120,6 +122,8 @@ class SegmentationTask(TaskModule):
     """
 
     DATA_LINKS = {"class_names": "class_names"}
+    #: the input specification of a segmentation datamodule's arguments (see :class:`tasks.api.Predictor`)
+    input_spec_rule = staticmethod(segmentation_spec)
     #: the module that writes this task's ONNX graph and checks it (``python -m tasks.segment export``)
     onnx_export = onnx_segmentation
 
@@ -148,7 +152,8 @@ class SegmentationTask(TaskModule):
     # -- model ----------------------------------------------------------------------------------------------
     def example_input(self, datamodule) -> torch.Tensor | None:
         # the papers count FLOPs at the crop size (512 x 512 on ADE20k and VOC)
-        size = datamodule.hparams.get("crop_size")
+        spec = input_spec_of(datamodule, self.input_spec_rule)
+        size = spec.image_size if spec is not None else None
         return torch.zeros(1, 3, size, size) if size else None
 
     def forward(self, images: torch.Tensor, size: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
@@ -296,16 +301,30 @@ class SegmentationTask(TaskModule):
             return
         datamodule = self.trainer.datamodule
         palette = datamodule.palette
-        logits = self(batch["image"])["out"]
-        for k, (path, (height, width)) in enumerate(zip(batch["path"], batch["orig_size"].tolist())):
-            pred = F.interpolate(logits[k:k + 1], size=(height, width), mode="bilinear", align_corners=False).argmax(1)
+        for k, (path, pred) in enumerate(zip(batch["path"], self.label_maps(batch["image"], batch["orig_size"].tolist()))):
             name = output_name(batch, k)
-            labels = self._write_mask(pred[0], self.predict_dir / "masks" / f"{name}.png")
+            labels = self._write_mask(pred, self.predict_dir / "masks" / f"{name}.png")
             image = read_rgb_array(path)  # upright, as the network saw it
             overlay = (0.5 * image + 0.5 * palette[labels]).round().astype(np.uint8)
             overlay_path = self.predict_dir / "overlays" / f"{name}.jpg"
             overlay_path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(overlay).save(overlay_path, quality=90)
+
+    def label_maps(self, images: torch.Tensor, orig_sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """(B, 3, h, w) network inputs of images of ``orig_sizes`` (height, width) -> per image its (H, W) labels:
+        the logits upsampled bilinearly to the original size, then the best class of each pixel."""
+        logits = self(images)["out"]
+        return [F.interpolate(logits[k:k + 1], size=(int(height), int(width)), mode="bilinear",
+                              align_corners=False).argmax(1)[0] for k, (height, width) in enumerate(orig_sizes)]
+
+    def predict_inputs(self, inputs: list) -> list[np.ndarray]:
+        """``model.predict(images)`` (:mod:`tasks.api`): per image its (H, W) labels at the original size
+        (uint8 up to 256 classes, else int64); label i is ``class_names[i]``. One image per forward, as
+        evaluation and `predict` run."""
+        images, read = self.prepared_images(inputs)
+        dtype = np.uint8 if len(self.class_names) <= 256 else np.int64
+        return [self.label_maps(image[None].to(self.device), [tuple(pixels.shape[-2:])])[0].cpu().numpy().astype(dtype)
+                for image, (pixels, _) in zip(images, read)]
 
     def _log_overlays(self) -> None:
         """Validation images with predicted and true masks as wandb mask overlays."""

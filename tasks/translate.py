@@ -40,6 +40,7 @@ from heads.decoding import Hypotheses, beam_search, greedy_search, max_output_le
 from heads.seq2seq import TransformerDecoder
 from tasks.analysis import write_worst_csv
 from tasks import onnx_translation
+from tasks.api import Predictor
 from tasks.base import TaskModule
 
 
@@ -92,7 +93,7 @@ def tokenized_compound_split_bleu(hypotheses: list[str], references: list[str], 
     return bleu.corpus_score(prepare(hypotheses), [prepare(references)]).score
 
 
-class TranslationTask(TaskModule):
+class TranslationTask(Predictor, TaskModule):
     """Transformer encoder-decoder with a shared vocabulary and tied embeddings.
 
     Args:
@@ -333,9 +334,29 @@ class TranslationTask(TaskModule):
     def on_predict_epoch_start(self) -> None:
         self._rows, self._cut_lines = [], []
 
+    def translate_texts(self, texts: list[str], cut: list[int] | None = None, beam_size: int | None = None) -> list[str]:
+        """Raw source lines -> their translations (see :meth:`encode_sources` for ``cut``)."""
+        return self.tokenizer.decode(self.translate(self.encode_sources(texts, cut), beam_size).tokens.tolist())
+
+    #: sentences per forward of ``model.predict`` (the datamodule's ``predict_batch_size``)
+    predict_batch_size = 32
+
+    def is_one_input(self, inputs) -> bool:
+        return isinstance(inputs, str)
+
+    def predict_inputs(self, inputs: list[str], beam_size: int | None = None) -> list[str]:
+        """``model.predict(texts, beam_size=None)`` (:mod:`tasks.api`): each source sentence's translation;
+        a sentence longer than ``max_positions - 1`` tokens is cut there, with a warning, as `predict` does."""
+        cut: list[int] = []
+        translations = self.translate_texts([str(text) for text in inputs], cut, beam_size)
+        if cut:
+            rank_zero_warn(f"predict: {len(cut)} of {len(inputs)} sentences had more than {self.max_positions - 1} "
+                           f"tokens and were truncated (the model's max_positions {self.max_positions}, eos included)")
+        return translations
+
     def predict_step(self, batch: dict, batch_idx: int) -> list[str]:
         cut: list[int] = []
-        hyps = self.tokenizer.decode(self.translate(self.encode_sources(batch["src_text"], cut)).tokens.tolist())
+        hyps = self.translate_texts(batch["src_text"], cut)
         self._rows += zip(batch["index"].tolist(), hyps)
         self._cut_lines += [int(batch["index"][row]) for row in cut]
         return hyps

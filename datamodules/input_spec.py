@@ -1,0 +1,150 @@
+"""How an image enters a trained network, stated once: :class:`InputSpec`.
+
+A vision datamodule states it from its arguments (its ``input_spec`` property) and builds its
+evaluation transform from it; the task keeps the one it was trained with in its checkpoint
+(:class:`tasks.api.Predictor`), so ``model.predict(images)`` and ``export`` prepare images as the
+datamodule's ``validate`` / ``test`` / ``predict`` do, with nothing but the checkpoint.
+
+The three evaluation policies of the suite:
+
+- ``"center_crop"`` (classification): resize the short side to ``resize_size``, centre-crop
+  ``image_size`` x ``image_size`` (:func:`datamodules.classification_transforms.eval_transform`);
+- ``"square"`` (detection): resize to ``image_size`` x ``image_size``, aspect ratio not kept
+  (:func:`datamodules.detection_transforms.eval_transform`);
+- ``"short_side"`` (segmentation): resize the short side to ``resize_size`` (``None``: as is); the
+  logits are upsampled back to the original size (:func:`datamodules.segmentation_transforms.eval_transform`).
+  ``image_size`` is then the training crop, the size FLOPs are counted and graphs exported at.
+
+Pixels are RGB, scaled to [0, 1] and normalised: ``(pixel / 255 - mean) / std``. The spec travels in
+the checkpoint as :meth:`InputSpec.to_dict` (plain values, readable with ``weights_only=True``).
+What sizes a network takes besides its own is the backbone's ``size_multiple``, not the data's.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Sequence
+
+import numpy as np
+import torch
+
+from datamodules.images import IMAGENET_MEAN, IMAGENET_STD
+
+Resize = Literal["center_crop", "square", "short_side"]
+RESIZES = ("center_crop", "square", "short_side")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """The evaluation input of an image network: see the module docstring.
+
+    Args:
+        resize: the evaluation policy, ``"center_crop"``, ``"square"`` or ``"short_side"``.
+        image_size: side of the square the network is trained at (the crop, the square, or
+            segmentation's training crop); the export size.
+        resize_size: short side before the centre crop, or segmentation's evaluation short side
+            (``None``: the image's own size).
+        mean, std: per-channel normalisation of pixels scaled to [0, 1].
+        interpolation: torchvision's name of the resize's interpolation (classification).
+    """
+
+    resize: Resize
+    image_size: int | None
+    resize_size: int | None = None
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    interpolation: str = "bilinear"
+
+    def __post_init__(self):
+        if self.resize not in RESIZES:
+            raise ValueError(f"resize must be one of {', '.join(RESIZES)}, got {self.resize!r}")
+        object.__setattr__(self, "mean", tuple(float(v) for v in self.mean))
+        object.__setattr__(self, "std", tuple(float(v) for v in self.std))
+
+    # -- the three policies, from a datamodule's arguments ------------------------------------------------
+    @classmethod
+    def center_crop(cls, image_size: int, eval_resize: int | None, mean: Sequence[float], std: Sequence[float],
+                    interpolation: str = "bilinear") -> "InputSpec":
+        """Classification: the short side to ``eval_resize`` (default ``image_size / 0.875``), then the centre crop."""
+        resize_size = eval_resize or int(round(image_size / 0.875))
+        return cls("center_crop", int(image_size), int(resize_size), tuple(mean), tuple(std), interpolation)
+
+    @classmethod
+    def square(cls, image_size: int, mean: Sequence[float], std: Sequence[float]) -> "InputSpec":
+        """Detection: the whole image resized to the square input."""
+        return cls("square", int(image_size), None, tuple(mean), tuple(std))
+
+    @classmethod
+    def short_side(cls, short_side: int | None, crop_size: int | None, mean: Sequence[float],
+                   std: Sequence[float]) -> "InputSpec":
+        """Segmentation: the short side to ``short_side`` (``None``: as is); ``crop_size`` is the training crop."""
+        return cls("short_side", None if crop_size is None else int(crop_size),
+                   None if short_side is None else int(short_side), tuple(mean), tuple(std))
+
+    # -- in the checkpoint ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (lists, numbers, strings): a checkpoint entry that loads with ``weights_only=True``."""
+        values = asdict(self)
+        values["mean"], values["std"] = list(self.mean), list(self.std)
+        return values
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "InputSpec":
+        return cls(**values)
+
+    # -- the evaluation transform ---------------------------------------------------------------------------
+    def eval_transform(self):
+        """The datamodule's evaluation transform for this spec, built by the same function the datamodule
+        calls. Its calling convention is the pipeline's own: classification and detection take a (3, H, W)
+        uint8 tensor (torchvision v2), segmentation ``transform(image=(H, W, 3) uint8 array)`` (albumentations).
+        :meth:`prepare` calls it the right way."""
+        if self.resize == "center_crop":
+            from datamodules.classification_transforms import eval_transform
+
+            return eval_transform(self.image_size, self.resize_size, self.mean, self.std, self.interpolation)
+        if self.resize == "square":
+            from datamodules.detection_transforms import eval_transform
+
+            return eval_transform(self.image_size, self.mean, self.std)
+        from datamodules.segmentation_transforms import eval_transform
+
+        return eval_transform(self.resize_size, self.mean, self.std)
+
+    def prepare(self, pixels: torch.Tensor, transform=None) -> torch.Tensor:
+        """(3, H, W) uint8 upright pixels -> the (3, h, w) float network input, as the datamodule prepares it.
+        ``transform``: :meth:`eval_transform`'s result, to build it once for many images."""
+        transform = transform or self.eval_transform()
+        if self.resize == "short_side":
+            return transform(image=np.ascontiguousarray(pixels.permute(1, 2, 0).numpy()))["image"]
+        if self.resize == "square":
+            from torchvision import tv_tensors
+
+            return transform(tv_tensors.Image(pixels)).as_subclass(torch.Tensor)
+        return transform(pixels)
+
+
+def input_spec_of(datamodule, fallback=None) -> InputSpec | None:
+    """``datamodule.input_spec``; for a datamodule that states none, ``fallback(datamodule.hparams)``
+    (the task's rule for its datamodules' arguments), else ``None``."""
+    spec = getattr(datamodule, "input_spec", None)
+    if spec is None and fallback is not None and getattr(datamodule, "hparams", None) is not None:
+        spec = fallback(dict(datamodule.hparams))
+    return spec
+
+
+def classification_spec(hparams: dict) -> InputSpec:
+    """The spec of an image-folder classification datamodule's arguments (``image_size``, ``eval_resize``,
+    ``mean``, ``std``, ``interpolation``)."""
+    return InputSpec.center_crop(hparams["image_size"], hparams.get("eval_resize"),
+                                 hparams.get("mean", IMAGENET_MEAN), hparams.get("std", IMAGENET_STD),
+                                 hparams.get("interpolation", "bilinear"))
+
+
+def detection_spec(hparams: dict) -> InputSpec:
+    """The spec of a detection datamodule's arguments (``image_size``, ``mean``, ``std``)."""
+    return InputSpec.square(hparams["image_size"], hparams.get("mean", IMAGENET_MEAN), hparams.get("std", IMAGENET_STD))
+
+
+def segmentation_spec(hparams: dict) -> InputSpec:
+    """The spec of a segmentation datamodule's arguments (``eval_short_side``, ``crop_size``, ``mean``, ``std``)."""
+    return InputSpec.short_side(hparams.get("eval_short_side"), hparams.get("crop_size"),
+                                hparams.get("mean", IMAGENET_MEAN), hparams.get("std", IMAGENET_STD))
