@@ -80,6 +80,14 @@ def image_miou(pred: torch.Tensor, target: torch.Tensor, num_classes: int, ignor
     return float(confusion_scores(confmat.reshape(num_classes, num_classes))["miou"])
 
 
+def label_maps(logits: torch.Tensor, orig_sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """(B, K, h, w) logits of images of ``orig_sizes`` (height, width) -> per image its (H, W) labels: the
+    logits upsampled bilinearly to the original size, then the best class of each pixel (`predict` and
+    ``model.predict``)."""
+    return [F.interpolate(logits[k:k + 1], size=(int(height), int(width)), mode="bilinear",
+                          align_corners=False).argmax(1)[0] for k, (height, width) in enumerate(orig_sizes)]
+
+
 def output_name(batch: dict, k: int) -> str:
     """What the outputs of the batch's ``k``-th image are called: the datamodule's ``name`` (unique over
     the split), or the image's stem for a datamodule that gives none."""
@@ -301,7 +309,8 @@ class SegmentationTask(Predictor, TaskModule):
             return
         datamodule = self.trainer.datamodule
         palette = datamodule.palette
-        for k, (path, pred) in enumerate(zip(batch["path"], self.label_maps(batch["image"], batch["orig_size"].tolist()))):
+        preds = label_maps(self(batch["image"])["out"], batch["orig_size"].tolist())
+        for k, (path, pred) in enumerate(zip(batch["path"], preds)):
             name = output_name(batch, k)
             labels = self._write_mask(pred, self.predict_dir / "masks" / f"{name}.png")
             image = read_rgb_array(path)  # upright, as the network saw it
@@ -310,21 +319,14 @@ class SegmentationTask(Predictor, TaskModule):
             overlay_path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(overlay).save(overlay_path, quality=90)
 
-    def label_maps(self, images: torch.Tensor, orig_sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """(B, 3, h, w) network inputs of images of ``orig_sizes`` (height, width) -> per image its (H, W) labels:
-        the logits upsampled bilinearly to the original size, then the best class of each pixel."""
-        logits = self(images)["out"]
-        return [F.interpolate(logits[k:k + 1], size=(int(height), int(width)), mode="bilinear",
-                              align_corners=False).argmax(1)[0] for k, (height, width) in enumerate(orig_sizes)]
-
     def predict_inputs(self, inputs: list) -> list[np.ndarray]:
         """``model.predict(images)`` (:mod:`tasks.api`): per image its (H, W) labels at the original size
         (uint8 up to 256 classes, else int64); label i is ``class_names[i]``. One image per forward, as
         evaluation and `predict` run."""
         images, read = self.prepared_images(inputs)
         dtype = np.uint8 if len(self.class_names) <= 256 else np.int64
-        return [self.label_maps(image[None].to(self.device), [tuple(pixels.shape[-2:])])[0].cpu().numpy().astype(dtype)
-                for image, (pixels, _) in zip(images, read)]
+        return [label_maps(self(image[None].to(self.device))["out"], [tuple(pixels.shape[-2:])])[0].cpu().numpy()
+                .astype(dtype) for image, (pixels, _) in zip(images, read)]
 
     def _log_overlays(self) -> None:
         """Validation images with predicted and true masks as wandb mask overlays."""
