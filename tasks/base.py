@@ -118,10 +118,10 @@ class TaskModule(LightningModule):
         # Under LightningCLI the saved values are the resolved config (class paths and arguments),
         # which load_from_checkpoint can rebuild. Built in Python, modules and callables passed in
         # cannot go into a weights-only checkpoint: those arguments are left out.
-        from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
+        from tasks.compat import built_by_lightning_cli
 
         frame = inspect.currentframe().f_back
-        if _given_hyperparameters.get() is not None:
+        if built_by_lightning_cli():
             self.save_hyperparameters(frame=frame)
             return
         arguments = {}
@@ -171,13 +171,16 @@ class TaskModule(LightningModule):
         """Lightning's mixed-precision plugin refuses to clip for a fused optimizer (the demo recipes'
         Adam/AdamW), which unscales fp16 gradients inside its step. Under bf16 there is no scaler and
         nothing to unscale, so clip exactly as in full precision; fp16 keeps Lightning's error."""
-        from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+        from lightning.pytorch.plugins.precision import MixedPrecision
         from lightning.pytorch.utilities import GradClipAlgorithmType
 
         plugin = self.trainer.precision_plugin
         if gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None:
-            Precision.clip_gradients(plugin, optimizer, gradient_clip_val,
-                                     GradClipAlgorithmType(gradient_clip_algorithm or "norm"))
+            # the plugin's own clipping, without the fused-optimizer refusal of its clip_gradients
+            if GradClipAlgorithmType(gradient_clip_algorithm or "norm") == GradClipAlgorithmType.VALUE:
+                plugin.clip_grad_by_value(optimizer, gradient_clip_val)
+            else:
+                plugin.clip_grad_by_norm(optimizer, gradient_clip_val)
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 

@@ -6,8 +6,10 @@ Defaults shared by all tasks (each overridable from YAML or the command line):
   under ``trainer.default_root_dir``; fit, validate, test and predict runs of one model share a
   wandb group (carried by the checkpoint) with the subcommand as job type; the resolved config
   goes into the run as ``suite_config.yaml``;
-- ModelCheckpoint on the task's main metric plus ``last.ckpt``, written on its own schedule
-  (every ``every_n_train_steps`` and every epoch end) whether or not the metric exists yet;
+- checkpoints (``--checkpoint.*``, ModelCheckpoint's arguments): a plain ModelCheckpoint keeps the
+  best on the task's main metric, and :class:`tasks.checkpoints.LatestCheckpoint` writes
+  ``last.ckpt`` on its own schedule (every ``every_n_train_steps`` and every epoch end) whether or
+  not the metric exists yet; ``--checkpoint.save_last false`` leaves it out;
 - a per-step learning-rate monitor; a Rich progress bar on a terminal, plain progress lines
   (:class:`tasks.progress.LineProgress`) when the output goes to a file;
 - a fixed seed;
@@ -24,6 +26,13 @@ With ``--ckpt_path`` on ``validate``/``test``/``predict`` the checkpoint supplie
 its saved constructor arguments (backbone and head, class names, category ids, vocabulary)
 rebuild it, and only ``--model.*`` arguments given on the command line override them.
 
+A backbone with an ``img_size`` argument (ViT) takes ``--data.image_size``; an explicit
+``--model.backbone.img_size`` that differs is refused.
+
+Recipe stacking (``base:``) is :mod:`tasks.recipes`; reading checkpoint files and ``last.ckpt`` are
+:mod:`tasks.checkpoints`. Only public LightningCLI hooks are overridden (``parse_arguments``,
+``add_arguments_to_parser``, ``before_instantiate_classes``, ``instantiate_trainer``, ...).
+
 ``export --ckpt_path X`` writes the checkpoint's model as ONNX (see :mod:`tasks.export`); it
 needs no Trainer, so it is answered before LightningCLI parses anything.
 """
@@ -38,21 +47,20 @@ from typing import Optional, Sequence
 
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
+from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
-import configs
-from tasks.base import qualified_name
 from tasks.checkpoint_io import AtomicCheckpointIO
+from tasks.checkpoints import LAST_NAME, LatestCheckpoint, check_checkpoint_file, read_checkpoint
 from tasks.preemption import Preemption, resume_command
 from tasks.progress import LineProgress, stdout_is_terminal
+from tasks.recipes import SUBCOMMANDS, given_keys, recipe_path, with_default_config
 from tasks.resume import ResumeGuard, RunLock, parse_allowed, resume_settings
 from tasks.runtime import reuse_freed_memory
 
-SUBCOMMANDS = ("fit", "validate", "test", "predict")
 EXPORT = "export"
 EVALUATION = ("validate", "test", "predict")
 CONFIG_FILE_NAME = "suite_config.yaml"  # wandb keeps "config.yaml" for itself
@@ -66,53 +74,6 @@ def wandb_has_credentials() -> bool:
         return netrc().authenticators("api.wandb.ai") is not None
     except (FileNotFoundError, OSError, Exception):
         return False
-
-
-def recipe_path(task: str, name: str) -> Path:
-    """Path of a shipped recipe, e.g. ``recipe_path("classify", "demo_mobilevitv2.yaml")``."""
-    return Path(configs.__file__).parent / task / name
-
-
-class LatestAndBestCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint whose ``last.ckpt`` always holds the latest state, on its own schedule.
-
-    Lightning (2.5+) rewrites ``last.ckpt`` only together with a top-k file, and holds step-based
-    saves back until the monitored metric exists: a run killed before its first validation (a
-    whole epoch, or three in a recipe validating every third) left nothing to resume from. Here
-    ``last.ckpt`` is written every ``every_n_train_steps`` steps and at every training epoch end,
-    whatever the metric; the best checkpoints still follow the metric."""
-
-    def _refresh_last(self, trainer: Trainer) -> None:
-        if (not self.save_last or trainer.sanity_checking or trainer.state.fn != "fit" or trainer.fast_dev_run
-                or getattr(self, "_last_refreshed_step", -1) == trainer.global_step):
-            return
-        # a last-only save must not make the top-k save of the same step look done already
-        top_k_step = self._last_global_step_saved
-        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-        self._last_global_step_saved = top_k_step
-        self._last_refreshed_step = trainer.global_step
-
-    def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict) -> None:
-        super()._save_last_checkpoint(trainer, monitor_candidates)
-        self._last_refreshed_step = trainer.global_step
-
-    def save_last_now(self, trainer: Trainer) -> None:
-        """Write ``last.ckpt`` for the current step unless it holds it already (a preempted run's
-        last save, :mod:`tasks.preemption`)."""
-        self._refresh_last(trainer)
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if self._every_n_train_steps > 0 and trainer.global_step % self._every_n_train_steps == 0:
-            self._refresh_last(trainer)
-
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        super().on_validation_end(trainer, pl_module)
-        self._refresh_last(trainer)
-
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        super().on_train_epoch_end(trainer, pl_module)
-        self._refresh_last(trainer)
 
 
 class SaveConfigToRun(SaveConfigCallback):
@@ -143,10 +104,10 @@ class SuiteCLI(LightningCLI):
                  args: Sequence[str] | None = None, run: bool = True):
         reuse_freed_memory()
         self.task = task
-        self.user_argv = list(sys.argv[1:] if args is None else args)  # as typed: for the resume command
+        argv = list(sys.argv[1:] if args is None else args)
+        self.user_argv = list(argv)  # as typed: for the resume command
         self.monitor = monitor
         self.mode = mode
-        argv = list(sys.argv[1:] if args is None else args)
         if argv and argv[0] == EXPORT:
             from tasks.export import run_export
 
@@ -154,18 +115,13 @@ class SuiteCLI(LightningCLI):
             return
         argv = with_default_config(argv, recipe_path(task, default_config))
         self.checkpoint = read_checkpoint_for(argv, model_class)
-        # --print_config prints while parsing, before the checkpoint's arguments are merged: with a
-        # checkpoint, print once they are (see _parse_ckpt_path), so it shows the model that will run
-        self.print_config_after_checkpoint = self.checkpoint is not None and "--print_config" in argv
-        if self.print_config_after_checkpoint:
-            argv = [a for a in argv if a != "--print_config"]
-        if args is None:  # from the command line: edit argv so LightningCLI sees one source of args
-            sys.argv[1:] = argv
-        else:
-            args = argv
+        self.checkpoint_path = None
+        if self.checkpoint is not None:
+            argv, self.checkpoint_path = with_checkpoint_arguments(argv, self.checkpoint)
         self.argv = argv
         self.default_datamodule = f"{datamodule_class.__module__}.{datamodule_class.__qualname__}"
         self.links = {} if self.checkpoint is not None else dict(getattr(model_class, "DATA_LINKS", {}))
+        self.wandb_group = None
         # any datamodule class can be chosen from YAML or `--data path.to.Class` (a dataset format is one
         # file); recipes that give only its arguments get the task's default format
         super().__init__(
@@ -176,19 +132,18 @@ class SuiteCLI(LightningCLI):
             save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
             seed_everything_default=0,
             auto_configure_optimizers=False,  # optimizer/scheduler are model arguments
-            args=args,
+            # export is answered above, before any parsing; `--help` names it here
+            parser_kwargs={"epilog": f"{EXPORT}: export the checkpoint's model to ONNX and check it against PyTorch "
+                                     f"with ONNX Runtime (python -m tasks.{task} {EXPORT} --help)"},
+            args=argv,
             run=run,
         )
 
-    def _add_subcommands(self, parser, **kwargs) -> None:
-        super()._add_subcommands(parser, **kwargs)
-        # listed so that `--help` shows it; SuiteCLI.__init__ runs it before any parsing
-        from tasks.export import export_parser
-
-        prog = f"python -m tasks.{self.task} export"
-        parser._subcommands_action.add_subcommand(
-            EXPORT, export_parser(self.model_class, prog),
-            help="Export the checkpoint's model to ONNX and check it against PyTorch with ONNX Runtime")
+    def parse_arguments(self, parser, args) -> None:
+        # `args` is the command line with its recipes expanded (tasks.recipes): the one source of
+        # arguments, so LightningCLI's warning about sys.argv holding arguments too does not apply.
+        # DDP's launcher restarts the script with sys.argv, which expands the same way there.
+        self.config = parser.parse_args(args)
 
     def add_arguments_to_parser(self, parser) -> None:
         # trainer defaults as plain config, so --print_config shows them and recipes override them
@@ -210,7 +165,10 @@ class SuiteCLI(LightningCLI):
             help="fit --ckpt_path: comma-separated settings (e.g. data.batch_size,model.optimizer) that may differ "
                  "from the checkpoint's; without it such a resume is refused (see tasks/resume.py)")
         parser.add_lightning_class_args(Preemption, "preemption")
-        parser.add_lightning_class_args(LatestAndBestCheckpoint, "checkpoint")
+        # ModelCheckpoint's arguments: the best checkpoints on the task's metric, and with save_last
+        # (on by default) last.ckpt on its own schedule (tasks.checkpoints.LatestCheckpoint); both
+        # are built in instantiate_trainer
+        parser.add_class_arguments(ModelCheckpoint, "checkpoint", instantiate=False, fail_untyped=False)
         parser.set_defaults({
             "checkpoint.monitor": self.monitor,
             "checkpoint.mode": self.mode,
@@ -220,35 +178,12 @@ class SuiteCLI(LightningCLI):
         })
         for data_attr, model_arg in self.links.items():
             parser.link_arguments(f"data.{data_attr}", f"model.{model_arg}", apply_on="instantiate")
-        if self.checkpoint is not None:
-            # the data-derived arguments are required; the checkpoint holds them
-            saved = self.checkpoint.get("hyper_parameters", {})
-            parser.set_defaults({f"model.{arg}": saved[arg] for arg in self._model_class.DATA_LINKS.values()
-                                 if arg in saved})
-
-    def _parse_ckpt_path(self) -> None:
-        """The checkpoint's constructor arguments rebuild the model; ``--model.*`` arguments given
-        on the command line still win (Lightning's own merge lets the checkpoint win over them)."""
-        if self.checkpoint is None:
-            return
-        hparams = dict(self.checkpoint.get("hyper_parameters", {}))
-        hparams.pop("_instantiator", None)
-        hparams.pop("_class_path", None)
-        if not hparams:
-            return
-        sub = self.config.subcommand
-        self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
-        overrides = model_overrides(self.argv)
-        subparser = self.parser._subcommands_action._name_parser_map[sub]
-        if overrides:
-            self.config[sub] = subparser.parse_args(overrides, namespace=self.config[sub].clone())
-        if self.print_config_after_checkpoint:
-            sys.stdout.write(subparser.dump(self.config[sub], skip_none=False))
-            sys.exit(0)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         trainer = config.trainer
+        if self.checkpoint_path is not None:
+            config.ckpt_path = self.checkpoint_path  # kept out of parsing: see with_checkpoint_arguments
         # one checkpoint directory per run root, so `--ckpt_path last` finds the interrupted run
         # (the logger's per-run version directory changes on every launch)
         if config.checkpoint.dirpath is None:
@@ -263,8 +198,9 @@ class SuiteCLI(LightningCLI):
             config.weights_only = True  # our checkpoints hold tensors and plain values: never unpickle code
         if self.subcommand in (None, "fit"):
             self.resume_guard = ResumeGuard(resume_settings(config), parse_allowed(config.get("allow_changed")))
-        if self.subcommand == "fit" and config.get("ckpt_path") == "last":
-            last = Path(config.checkpoint.dirpath) / "last.ckpt"
+        resume_last = self.subcommand == "fit" and config.get("ckpt_path") == "last"
+        if resume_last:
+            last = Path(config.checkpoint.dirpath) / LAST_NAME
             if not last.is_file():
                 raise FileNotFoundError(
                     f"--ckpt_path last: there is no {last} to resume from (trainer.default_root_dir="
@@ -272,6 +208,29 @@ class SuiteCLI(LightningCLI):
                     "--trainer.default_root_dir at the interrupted run.")
         self._route_loggers_to_run_root(config)
         self._link_wandb_runs(config)
+        if resume_last:
+            config.ckpt_path = str(last)  # this run root's, whatever callbacks the recipe lists
+        if self.checkpoint is None:
+            self._link_image_size(config)
+
+    def _link_image_size(self, config) -> None:
+        """A backbone with an ``img_size`` argument (ViT) gets the data's ``image_size``: one value, not
+        two copies. An ``img_size`` set explicitly (flag or recipe) that differs is refused. With a
+        checkpoint the saved ``img_size`` is the one its weights were trained with, and is kept."""
+        backbone = config.model.get("backbone") if "model" in config else None
+        backbone_args = getattr(backbone, "init_args", None)
+        data_args = getattr(config.get("data"), "init_args", None)
+        if backbone_args is None or "img_size" not in backbone_args or data_args is None:
+            return
+        size = data_args.get("image_size")
+        if size is None:
+            return
+        if "model.backbone.img_size" not in given_keys(self.argv):
+            backbone_args.img_size = size
+        elif _pair(backbone_args.img_size) != _pair(size):
+            raise ValueError(
+                f"--model.backbone.img_size {backbone_args.img_size} differs from --data.image_size {size}: the "
+                f"backbone takes the data's image size; drop --model.backbone.img_size (or set both alike)")
 
     def _route_loggers_to_run_root(self, config) -> None:
         # every logger writes under the run's root unless the recipe names another directory
@@ -298,14 +257,15 @@ class SuiteCLI(LightningCLI):
         if init_args.get("group") is None:
             saved = (self.checkpoint or {}).get("wandb_group")
             if saved is None and config.get("ckpt_path") == "last":
-                last = Path(config.checkpoint.dirpath) / "last.ckpt"
+                last = Path(config.checkpoint.dirpath) / LAST_NAME
                 saved = read_checkpoint(last).get("wandb_group") if last.is_file() else None
             init_args["group"] = saved or f"{Path(config.trainer.default_root_dir).name}-{uuid.uuid4().hex[:8]}"
+        self.wandb_group = init_args["group"]
 
     def after_instantiate_classes(self) -> None:
         logger = self.trainer.logger if self.trainer is not None else None
         if isinstance(logger, WandbLogger):
-            self.model.wandb_group = logger._wandb_init.get("group")
+            self.model.wandb_group = self.wandb_group  # the WandbLogger's group (set above), carried by checkpoints
         for callback in self.trainer.callbacks if self.trainer is not None else []:
             if isinstance(callback, Preemption):
                 callback.resume_command = resume_command(self.task, self.user_argv, self.trainer.default_root_dir)
@@ -317,28 +277,40 @@ class SuiteCLI(LightningCLI):
             self.run_lock = RunLock(self.trainer.default_root_dir)
             self.run_lock.acquire()
 
-    def _instantiate_trainer(self, config: dict, callbacks: list) -> Trainer:
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        config = self.config_init.get(str(self.subcommand), self.config_init)
+        trainer = config["trainer"]
+        callbacks = [*_as_list(trainer.get("callbacks")), *self._checkpoints(config["checkpoint"])]
+        if getattr(self, "resume_guard", None) is not None:
+            callbacks.append(self.resume_guard)
         # `--trainer.enable_checkpointing false`, `--trainer.enable_progress_bar false` and
         # `--trainer.logger false` switch our default callbacks off instead of letting Lightning
         # refuse the combination
-        switches = {ModelCheckpoint: "enable_checkpointing", ProgressBar: "enable_progress_bar",
+        switches = {Checkpoint: "enable_checkpointing", ProgressBar: "enable_progress_bar",
                     LearningRateMonitor: "logger"}
-        unwanted = tuple(kind for kind, key in switches.items() if config.get(key) is False)
-        if unwanted:
-            callbacks = [c for c in callbacks if not isinstance(c, unwanted)]
-            config["callbacks"] = [c for c in config.get("callbacks") or [] if not isinstance(c, unwanted)]
-        # atomic checkpoint files for every task, unless the recipe brings its own CheckpointIO
-        plugins = config.get("plugins") or []
-        plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
-        if not any(isinstance(p, CheckpointIO) for p in plugins):
-            config["plugins"] = plugins + [AtomicCheckpointIO()]
-        if getattr(self, "resume_guard", None) is not None:
-            callbacks = [*callbacks, self.resume_guard]
+        unwanted = tuple(kind for kind, key in switches.items() if trainer.get(key) is False)
+        callbacks = [c for c in callbacks if not isinstance(c, unwanted)]
         if not stdout_is_terminal():
             # a redrawn bar in a log file is one frame per run: print plain lines instead
-            config["callbacks"] = [LineProgress() if isinstance(c, RichProgressBar) else c
-                                   for c in config.get("callbacks") or []]
-        return super()._instantiate_trainer(config, callbacks)
+            callbacks = [LineProgress() if isinstance(c, RichProgressBar) else c for c in callbacks]
+        # atomic checkpoint files for every task, unless the recipe brings its own CheckpointIO
+        plugins = _as_list(trainer.get("plugins"))
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            plugins.append(AtomicCheckpointIO())
+        # Lightning adds the `preemption` callback and the config-saving one to these
+        return super().instantiate_trainer(callbacks=callbacks, plugins=plugins, **kwargs)
+
+    @staticmethod
+    def _checkpoints(args) -> list[Checkpoint]:
+        """The best checkpoints on the metric (a plain ModelCheckpoint; it writes no last.ckpt) and,
+        with ``save_last``, ``last.ckpt`` on its own schedule (:class:`LatestCheckpoint`)."""
+        args = dict(args)
+        save_last = args.pop("save_last")
+        best = ModelCheckpoint(**args, save_last=False)
+        if not save_last:
+            return [best]
+        # after the best one: Trainer.checkpoint_callback (`--ckpt_path best`) is the first of them
+        return [best, LatestCheckpoint(args["dirpath"], args.get("every_n_train_steps") or 0)]
 
     def after_fit(self) -> None:
         trainer = self.trainer
@@ -347,12 +319,11 @@ class SuiteCLI(LightningCLI):
         if trainer.global_rank != 0:
             return
         lines = [f"run directory:    {Path(trainer.default_root_dir).resolve()}"]
-        ckpt = trainer.checkpoint_callback
-        if isinstance(ckpt, ModelCheckpoint):
-            if ckpt.best_model_path:
+        for ckpt in trainer.checkpoint_callbacks:
+            if isinstance(ckpt, ModelCheckpoint) and ckpt.best_model_path:
                 score = f" ({ckpt.monitor}={float(ckpt.best_model_score):.4f})" if ckpt.best_model_score is not None else ""
                 lines.append(f"best checkpoint:  {Path(ckpt.best_model_path).resolve()}{score}")
-            if ckpt.last_model_path:
+            if getattr(ckpt, "last_model_path", None):
                 lines.append(f"last checkpoint:  {Path(ckpt.last_model_path).resolve()}")
         if isinstance(trainer.logger, WandbLogger):
             run_dir = Path(trainer.logger.experiment.dir).parent
@@ -385,37 +356,12 @@ def _uses_gpus(accelerator) -> bool:
     return torch.cuda.is_available() and ("gpu" in name or "cuda" in name or name == "auto")
 
 
-def read_checkpoint(path: str | Path) -> dict:
-    """Load a checkpoint's contents (weights-only) or refuse a missing, truncated or foreign file
-    naming it, before Lightning's own loading fails without the path."""
-    import torch
-
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"checkpoint {file} does not exist")
-    try:
-        checkpoint = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:
-        raise ValueError(f"cannot read checkpoint {file} ({file.stat().st_size} bytes): {err}. "
-                         "Is it truncated (an interrupted copy or download), or not a checkpoint at all?") from None
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "pytorch-lightning_version" not in checkpoint:
-        keys = list(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
-        raise ValueError(f"{file} is not a Lightning checkpoint of this suite (top-level keys: {keys}). "
-                         "To start from foreign weights (timm, CVNets), use the backbone's `pretrained` "
-                         "argument or the classification task's `weights`.")
-    return checkpoint
+def _as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def check_checkpoint_file(path: str, model_class: type | None = None) -> dict:
-    """:func:`read_checkpoint`, and refuse a checkpoint of another task, naming both."""
-    checkpoint = read_checkpoint(path)
-    saved = checkpoint.get("suite_task")
-    if model_class is not None:
-        expected = qualified_name(model_class)
-        if saved is not None and saved != expected:
-            raise ValueError(f"{path} is a checkpoint of {saved}, not of {expected}: "
-                             f"use it with `python -m {saved.rsplit('.', 1)[0]}`")
-    return checkpoint
+def _pair(size) -> tuple:
+    return tuple(size) if isinstance(size, (list, tuple)) else (size, size)
 
 
 def read_checkpoint_for(argv: list[str], model_class: type) -> dict | None:
@@ -457,116 +403,44 @@ def model_overrides(argv: list[str]) -> list[str]:
     return out
 
 
-def with_default_config(args: list[str], default: Path) -> list[str]:
-    """Resolve recipe stacking in an argument list.
+def with_checkpoint_arguments(argv: list[str], checkpoint: dict) -> tuple[list[str], str | None]:
+    """An evaluation's arguments with the checkpoint's constructor arguments as a ``--config``
+    layer after the recipes', and the command line's ``--model.*`` arguments moved after that
+    layer, so that they win over it (LightningCLI's own merge lets the checkpoint win over them).
 
-    - No ``--config``: the task's default (demo) recipe, inserted after the subcommand.
-    - A recipe may name the recipe it overrides with a top-level ``base:`` (a path relative to
-      itself); ``base: null`` marks a complete recipe. A first ``--config`` without ``base`` is an
-      overlay on the task's default recipe, so ``--config my_changes.yaml`` changes only what it
-      lists. Later ``--config`` files stack on what comes before them, as in LightningCLI.
-
-    Each file with a ``base`` key is passed on as the YAML text of its other keys, after the
-    files it stacks on; ``--print_config`` shows the result fully resolved.
-
-    LightningCLI applies arguments in order, so a flag before a ``--config`` whose layers set the
-    same key would be overridden without a word (the default recipe, inserted at the first
-    ``--config`` overlay, included): that is refused, naming the flag and the recipe.
-    """
-    positions = [i for i, a in enumerate(args) if a == "--config" or a.startswith("--config=")]
-    if not positions:
-        for i, a in enumerate(args):
-            if a in SUBCOMMANDS:
-                layers = [flag for layer in recipe_layers(str(default), None) for flag in ("--config", layer)]
-                return args[: i + 1] + layers + args[i + 1:]
-        return args
-    out, first, flags = [], True, {}
-    for i, arg in enumerate(args):
-        if i in positions and arg.startswith("--config="):
-            value = arg.split("=", 1)[1]
-        elif i in positions and i + 1 < len(args):
-            value = args[i + 1]
-        elif i - 1 in positions and args[i - 1] == "--config":
-            continue  # the value, handled with its flag
-        else:
-            out.append(arg)
-            if arg.startswith("--") and arg not in ("--print_config",):
-                flags[config_key(arg[2:].split("=", 1)[0].removesuffix("+"))] = arg.split("=", 1)[0]
+    ``--ckpt_path`` is taken out and returned: LightningCLI would merge the checkpoint's arguments
+    once more after parsing. It stays for ``--print_config``, which prints and exits while
+    parsing (before that merge), so the printout shows it."""
+    hparams = dict(checkpoint.get("hyper_parameters", {}))
+    hparams.pop("_instantiator", None)
+    hparams.pop("_class_path", None)
+    overrides = model_overrides(argv)
+    rest, skip = [], 0
+    for i, arg in enumerate(argv):
+        if skip:
+            skip -= 1
             continue
-        layers = recipe_layers(value, default if first else None)
-        check_not_overridden(flags, layers, value)
-        for layer in layers:
-            out += ["--config", layer]
-        first = False
+        if arg.startswith("--model.") or arg.startswith("--model="):
+            skip = 0 if "=" in arg else 1
+            continue
+        rest.append(arg)
+    path = option_value(rest, "--ckpt_path")
+    if "--print_config" not in rest:
+        rest = without_option(rest, "--ckpt_path")
+    configs = [i for i, arg in enumerate(rest) if arg == "--config" or arg.startswith("--config=")]
+    at = (configs[-1] + (1 if "=" in rest[configs[-1]] else 2)) if configs else len(rest)
+    layer = ["--config", yaml.safe_dump({"model": hparams}, sort_keys=False)]
+    return rest[:at] + layer + rest[at:] + overrides, path
+
+
+def without_option(argv: list[str], name: str) -> list[str]:
+    """``argv`` without ``name`` and its value (``--name value`` or ``--name=value``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
     return out
-
-
-def config_key(dotted: str) -> str:
-    """A config key without ``init_args`` levels: ``data.init_args.batch_size`` -> ``data.batch_size``."""
-    return ".".join(part for part in dotted.split(".") if part not in ("init_args", "dict_kwargs"))
-
-
-def recipe_keys(layer: str) -> set[str]:
-    """The keys (see :func:`config_key`) a ``--config`` layer (a file or YAML text) sets."""
-    try:
-        is_file = Path(layer).suffix in (".yaml", ".yml") and Path(layer).is_file()
-    except OSError:  # YAML text too long for a file name
-        is_file = False
-    try:
-        content = yaml.safe_load(Path(layer).read_text() if is_file else layer)
-    except (OSError, yaml.YAMLError):
-        return set()
-    keys: set[str] = set()
-
-    def walk(node, prefix: str) -> None:
-        if isinstance(node, dict) and node:
-            for key, value in node.items():
-                walk(value, f"{prefix}.{key}" if prefix else str(key))
-        elif prefix:
-            keys.add(config_key(prefix))
-
-    walk(content, "")
-    return keys
-
-
-def check_not_overridden(flags: dict[str, str], layers: list[str], recipe: str) -> None:
-    """Refuse flags given before a ``--config`` whose layers set the same key or one above it."""
-    if not flags:
-        return
-    keys = set().union(*(recipe_keys(layer) for layer in layers))
-    for key, flag in flags.items():
-        parts = key.split(".")
-        if any(".".join(parts[:n]) in keys for n in range(1, len(parts) + 1)):
-            raise ValueError(
-                f"{flag} comes before --config {recipe}, which sets {key} too (itself or the recipes it stacks on): "
-                "arguments apply in order, so the recipe's value would silently win. Put the flag after the --config.")
-
-
-def recipe_layers(value: str, default: Path | None, seen: tuple[Path, ...] = ()) -> list[str]:
-    """The ``--config`` values a recipe expands to: its base chain, then itself (see :func:`with_default_config`).
-    ``default`` is put under a recipe that names no base (``None``: stack on nothing)."""
-    path = Path(value)
-    try:
-        is_recipe = path.suffix in (".yaml", ".yml") and path.is_file()
-    except OSError:  # an expanded base chain handed to a DDP child: a YAML string too long for a file name
-        is_recipe = False
-    if not is_recipe:
-        return [value]  # a YAML string or something LightningCLI reports itself
-    try:
-        content = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ValueError(f"recipe {path} is not valid YAML: {err}") from None
-    if not isinstance(content, dict) or "base" not in content:
-        # the default recipe may itself be an override: stack its whole chain
-        under = [] if default is None or path.resolve() == Path(default).resolve() else recipe_layers(str(default), None)
-        return under + [value]
-    if path.resolve() in seen:
-        raise ValueError(f"recipe {path} is its own base (base chain: {' -> '.join(map(str, seen))})")
-    base = content.pop("base")
-    layers = []
-    if base is not None:
-        base_path = (path.parent / str(base)).resolve()
-        if not base_path.is_file():
-            raise FileNotFoundError(f"recipe {path} names base: {base}, but {base_path} does not exist")
-        layers = recipe_layers(str(base_path), default, seen + (path.resolve(),))
-    return layers + ([yaml.safe_dump(content, sort_keys=False)] if content else [])

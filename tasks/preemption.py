@@ -90,13 +90,10 @@ class Preemption(Callback):
 
     @staticmethod
     def _save_last(trainer: Trainer) -> Path | None:
-        from tasks.cli import LatestAndBestCheckpoint
+        from tasks.checkpoints import LatestCheckpoint
 
-        checkpoint = next((c for c in trainer.checkpoint_callbacks if isinstance(c, LatestAndBestCheckpoint)), None)
-        if checkpoint is None or not checkpoint.save_last:
-            return None
-        checkpoint.save_last_now(trainer)
-        return Path(checkpoint.last_model_path) if checkpoint.last_model_path else None
+        latest = next((c for c in trainer.checkpoint_callbacks if isinstance(c, LatestCheckpoint)), None)
+        return latest.save(trainer) if latest is not None else None
 
     def summary(self, trainer: Trainer, signum: int, last: Path | None) -> str:
         name = signal.Signals(signum).name

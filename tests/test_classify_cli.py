@@ -168,3 +168,33 @@ def check_per_class_files(predictions: Path) -> None:
         assert float(r["precision"]) == pytest.approx(precision[k], abs=1e-12)
         assert float(r["recall"]) == pytest.approx(recall[k], abs=1e-12)
         assert float(r["f1"]) == pytest.approx(f1[k], abs=1e-12)
+
+
+# -- ViT's image size is the data's: one value -------------------------------------------------------
+VIT = ["--model.backbone", "backbones.ViT", "--model.backbone.size", "tiny", "--model.backbone.patch_size", "8"]
+QUIET = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu"]
+
+
+def _classify_cli(*args):
+    from datamodules.imagefolder import ImageFolderDataModule
+    from tasks.classify import ClassificationTask
+    from tasks.cli import SuiteCLI
+
+    return SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
+                    monitor="val/top1", run=False, args=["--config", str(REPO / "configs/classify/demo_mobilevitv2.yaml"),
+                                                         *QUIET, *args])
+
+
+def test_vit_takes_the_data_image_size_without_its_own_flag(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = _classify_cli(*VIT, "--data.image_size", "64")
+    assert cli.model.backbone.img_size == (64, 64) and cli.model.backbone.grid_size == (8, 8)
+    assert cli.config.model.backbone.init_args.img_size == 64  # the saved config (and checkpoint) say so too
+
+
+def test_vit_image_size_given_twice_must_agree(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = _classify_cli(*VIT, "--model.backbone.img_size", "64", "--data.image_size", "64")
+    assert cli.model.backbone.img_size == (64, 64)
+    with pytest.raises(ValueError, match="--model.backbone.img_size 96 differs from --data.image_size 64"):
+        _classify_cli(*VIT, "--model.backbone.img_size", "96", "--data.image_size", "64")

@@ -453,7 +453,7 @@ def test_cli_installs_atomic_checkpoints_preemption_and_the_resume_guard_and_loc
 
 
 def test_flag_before_a_recipe_that_sets_it_is_refused():
-    from tasks.cli import recipe_path, with_default_config
+    from tasks.recipes import recipe_path, with_default_config
 
     demo = recipe_path("classify", "demo_mobilevitv2.yaml")
     with pytest.raises(ValueError, match=r"--data.batch_size comes before --config .*demo_mobilevitv2.yaml, which "

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tasks import checkpoint_io
 from tasks.base import TaskModule
 from tasks.checkpoint_io import AtomicCheckpointIO
-from tasks.cli import check_checkpoint_file
+from tasks.checkpoints import check_checkpoint_file
 
 
 class PoisonedRegression(TaskModule):

@@ -20,7 +20,7 @@ from torch.utils.data import TensorDataset
 from datamodules.loaders import make_loader
 from tasks.base import TaskModule
 from tasks.checkpoint_io import AtomicCheckpointIO
-from tasks.cli import LatestAndBestCheckpoint
+from tasks.checkpoints import LatestCheckpoint
 from tasks.optim import WarmupCosineLR
 from tasks.preemption import Preempted, Preemption, resume_command
 from tasks.resume import ResumeGuard, RunInUse, RunLock
@@ -55,7 +55,7 @@ SETTINGS = {"data.batch_size": 4, "trainer.accumulate_grad_batches": 1,
 
 
 def fit(root, *callbacks, ckpt_path=None, model=None, settings=SETTINGS, allow=None, epochs=2):
-    checkpoint = LatestAndBestCheckpoint(dirpath=root / "checkpoints", save_last=True, every_n_train_steps=100)
+    checkpoint = LatestCheckpoint(root / "checkpoints", every_n_train_steps=100)
     trainer = Trainer(default_root_dir=root, max_epochs=epochs, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, accelerator="cpu", plugins=[AtomicCheckpointIO()],
                       callbacks=[*callbacks, Preemption(), ResumeGuard(settings, allow), checkpoint])

@@ -1,0 +1,103 @@
+"""The suite's checkpoint files: reading and checking them, and writing ``last.ckpt``.
+
+- :func:`read_checkpoint` / :func:`check_checkpoint_file` load a ``.ckpt`` weights-only, or refuse
+  a missing, truncated, foreign or other task's file naming it, before Lightning fails without
+  the path.
+- :class:`LatestCheckpoint` writes ``last.ckpt`` on its own schedule, beside the ModelCheckpoint
+  that keeps the best checkpoints on the task's metric (see :mod:`tasks.cli`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Checkpoint
+
+from tasks.base import qualified_name
+
+#: the latest state of a fit, in the run root's checkpoint directory (``--ckpt_path last``)
+LAST_NAME = "last.ckpt"
+
+
+def read_checkpoint(path: str | Path) -> dict:
+    """Load a checkpoint's contents (weights-only) or refuse a missing, truncated or foreign file
+    naming it, before Lightning's own loading fails without the path."""
+    import torch
+
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"checkpoint {file} does not exist")
+    try:
+        checkpoint = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:
+        raise ValueError(f"cannot read checkpoint {file} ({file.stat().st_size} bytes): {err}. "
+                         "Is it truncated (an interrupted copy or download), or not a checkpoint at all?") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "pytorch-lightning_version" not in checkpoint:
+        keys = list(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise ValueError(f"{file} is not a Lightning checkpoint of this suite (top-level keys: {keys}). "
+                         "To start from foreign weights (timm, CVNets), use the backbone's `pretrained` "
+                         "argument or the classification task's `weights`.")
+    return checkpoint
+
+
+def check_checkpoint_file(path: str, model_class: type | None = None) -> dict:
+    """:func:`read_checkpoint`, and refuse a checkpoint of another task, naming both."""
+    checkpoint = read_checkpoint(path)
+    saved = checkpoint.get("suite_task")
+    if model_class is not None:
+        expected = qualified_name(model_class)
+        if saved is not None and saved != expected:
+            raise ValueError(f"{path} is a checkpoint of {saved}, not of {expected}: "
+                             f"use it with `python -m {saved.rsplit('.', 1)[0]}`")
+    return checkpoint
+
+
+
+class LatestCheckpoint(Checkpoint):
+    """Writes ``dirpath/last.ckpt`` with the latest training state, whatever the metric.
+
+    Written every ``every_n_train_steps`` optimizer steps (``0``: never mid-epoch), at every
+    validation end and at every training epoch end, whether or not validation ran: a run killed
+    before its first validation (a whole epoch, or three in a recipe validating every third)
+    can still be resumed exactly. A step is written once. The best checkpoints are a plain
+    ``ModelCheckpoint``'s (:mod:`tasks.cli`); Lightning runs checkpoint callbacks after all
+    others, so the file holds every callback's state of the step.
+
+    Args:
+        dirpath: the directory of ``last.ckpt`` (the CLI's ``<trainer.default_root_dir>/checkpoints``).
+        every_n_train_steps: write it every this many optimizer steps too.
+    """
+
+    def __init__(self, dirpath: str | Path, every_n_train_steps: int = 0):
+        self.dirpath = Path(dirpath)
+        self.every_n_train_steps = int(every_n_train_steps or 0)
+        self._saved_step = -1
+
+    @property
+    def path(self) -> Path:
+        return self.dirpath / LAST_NAME
+
+    @property
+    def last_model_path(self) -> str:
+        """The path of ``last.ckpt`` once written (``""`` before), as ``ModelCheckpoint`` names it."""
+        return str(self.path) if self.path.is_file() else ""
+
+    def save(self, trainer: Trainer) -> Path | None:
+        """Write ``last.ckpt`` for the current step unless it holds it already; on every rank
+        (``trainer.save_checkpoint`` is collective, rank 0 writes). ``None`` outside a fit."""
+        if trainer.sanity_checking or trainer.state.fn != "fit" or trainer.fast_dev_run:
+            return None
+        if self._saved_step != trainer.global_step:
+            trainer.save_checkpoint(self.path)
+            self._saved_step = trainer.global_step
+        return self.path
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        if self.every_n_train_steps > 0 and trainer.global_step % self.every_n_train_steps == 0:
+            self.save(trainer)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.save(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.save(trainer)

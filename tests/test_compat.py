@@ -1,0 +1,78 @@
+"""Upgrade guards: each private name tasks/compat.py keeps, and each public LightningCLI hook the
+suite overrides, still exists. An upgrade that removes or renames one fails here, by name, with
+the installed version, instead of silently (an override nobody calls any more changes nothing)."""
+from __future__ import annotations
+
+import importlib
+from contextvars import ContextVar
+from importlib.metadata import version
+
+import pytest
+
+from tasks.compat import PRIVATE_NAMES
+
+
+@pytest.mark.parametrize("module, name, use", PRIVATE_NAMES, ids=[name for _, name, _ in PRIVATE_NAMES])
+def test_private_name_kept_in_compat_still_exists(module, name, use):
+    found = getattr(importlib.import_module(module), name, None)
+    assert found is not None, (f"lightning {version('lightning')}: {module}.{name} is gone; tasks/compat.py uses it "
+                               f"for {use}. Find its replacement and update tasks/compat.py.")
+
+
+def test_lightning_cli_context_is_a_context_variable():
+    from lightning.pytorch.core.mixins import hparams_mixin
+
+    from tasks.compat import built_by_lightning_cli
+
+    assert isinstance(hparams_mixin._given_hyperparameters, ContextVar), (
+        f"lightning {version('lightning')}: _given_hyperparameters is no longer a ContextVar (tasks/compat.py)")
+    assert built_by_lightning_cli() is False
+
+
+#: public LightningCLI methods tasks/cli.py overrides (before_fit, after_fit, ... are checked below)
+CLI_HOOKS = ["parse_arguments", "add_arguments_to_parser", "before_instantiate_classes", "instantiate_trainer",
+             "after_instantiate_classes"]
+
+
+@pytest.mark.parametrize("hook", CLI_HOOKS)
+def test_lightning_cli_still_has_the_hooks_the_suite_overrides(hook):
+    import inspect
+
+    from lightning.pytorch.cli import LightningCLI
+
+    assert callable(getattr(LightningCLI, hook, None)), (
+        f"lightning {version('lightning')}: LightningCLI.{hook} is gone; tasks/cli.py.SuiteCLI overrides it")
+    source = inspect.getsource(LightningCLI)
+    assert f"self.{hook}(" in source, (
+        f"lightning {version('lightning')}: LightningCLI no longer calls self.{hook}(); SuiteCLI's override "
+        "would be silently skipped")
+
+
+def test_lightning_cli_runs_before_and_after_subcommand_hooks():
+    import inspect
+
+    from lightning.pytorch.cli import LightningCLI
+
+    source = inspect.getsource(LightningCLI)
+    assert 'f"before_{subcommand}"' in source and 'f"after_{subcommand}"' in source, (
+        f"lightning {version('lightning')}: LightningCLI no longer calls before_<subcommand>/after_<subcommand> "
+        "(SuiteCLI.before_fit takes the run lock, after_fit releases it)")
+
+
+def test_lightning_cli_takes_the_constructor_arguments_the_suite_passes():
+    import inspect
+
+    from lightning.pytorch.cli import LightningCLI
+
+    params = inspect.signature(LightningCLI.__init__).parameters
+    for name in ("save_config_callback", "save_config_kwargs", "seed_everything_default", "parser_kwargs",
+                 "subclass_mode_data", "auto_configure_optimizers", "args", "run"):
+        assert name in params, f"lightning {version('lightning')}: LightningCLI(..., {name}=) is gone (tasks/cli.py)"
+
+
+def test_precision_plugin_clips_by_norm_and_value():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    for name in ("clip_grad_by_norm", "clip_grad_by_value"):
+        assert callable(getattr(MixedPrecision, name, None)), (
+            f"lightning {version('lightning')}: Precision.{name} is gone (tasks/base.py configure_gradient_clipping)")
