@@ -205,10 +205,16 @@ class StringTable:
 
     @staticmethod
     def encode(strings: Iterable[str]) -> tuple[np.ndarray, np.ndarray]:
-        encoded = [s.encode("utf-8") for s in strings]
-        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-        np.cumsum([len(b) for b in encoded], out=offsets[1:])
-        return np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets
+        strings = list(strings)
+        joined = "".join(strings)
+        data = joined.encode("utf-8")
+        if len(data) == len(joined):  # ASCII, as file names mostly are: byte offsets are character offsets
+            lengths = np.fromiter(map(len, strings), dtype=np.int64, count=len(strings))
+        else:
+            lengths = np.fromiter((len(s.encode("utf-8")) for s in strings), dtype=np.int64, count=len(strings))
+        offsets = np.zeros(len(strings) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return np.frombuffer(data, dtype=np.uint8), offsets
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
