@@ -16,9 +16,10 @@ streamed sample is the folder-read one, pixel for pixel.
 - Training (:class:`StreamingTrainLoader`): LitData shuffles chunks and the samples inside them
   (``seed``, epoch) and gives every rank the same number of samples. Each sample's augmentation
   runs under the seed the folder loaders give it, a function of (seed, epoch, index) alone
-  (:func:`datamodules.loaders.sample_seed`), whatever the order it comes in. Mid-epoch resume is
-  LitData's: the loader's state goes into Lightning's checkpoint, and LitData replays the epoch's
-  order past the samples already trained on.
+  (:func:`datamodules.resumable.sample_seed`), whatever the order it comes in. Mid-epoch resume is
+  the suite's one mechanism (:mod:`datamodules.resumable`) with LitData's own state: the loader's
+  ``state_dict`` goes into Lightning's checkpoint, and LitData replays the epoch's order past the
+  samples already trained on.
 - Evaluation: no shuffling, no ``drop_last``: LitData deals every sample to exactly one rank, so
   metrics equal the single-process ones (README, "What every task guarantees").
 
@@ -33,7 +34,6 @@ sample that cannot be read back are errors naming the folder (and the split and 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -50,8 +50,8 @@ from litdata import StreamingDataLoader, StreamingDataset, optimize
 from litdata.streaming.downloader import get_downloader
 from litdata.streaming.sampler import ChunkedIndex
 
-from datamodules.images import BadImageError, _read_with_pil, _to_uint8
-from datamodules.loaders import SingleThreadedWorkers, restart_position, run_seeded, sample_seed
+from datamodules.images import decode_rgb_bytes
+from datamodules.resumable import SingleThreadedWorkers, run_seeded, sample_seed, world
 from datamodules.prepared import PreparedIndex, prepare, prepared_home
 
 MANIFEST = "streaming.json"
@@ -80,9 +80,14 @@ def _upload(output: str, local: Path, name: str) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(local, target)
         return
-    from litdata.streaming.fs_provider import _get_fs_provider  # LitData's own uploader (s3, gs, r2)
+    from litdata.streaming.fs_provider import GCPFsProvider, R2FsProvider, S3FsProvider  # LitData's own uploaders
 
-    _get_fs_provider(output).upload_file(str(local), join(output, name))
+    providers = {"s3": S3FsProvider, "gs": GCPFsProvider, "r2": R2FsProvider}
+    scheme = str(output).split("://")[0]
+    if scheme not in providers:
+        raise ValueError(f"cannot write to {output}: LitData uploads to {', '.join(f'{p}://' for p in providers)} "
+                         "(or write to a folder)")
+    providers[scheme]().upload_file(str(local), join(output, name))
 
 
 # -- the manifest --------------------------------------------------------------------------------------
@@ -231,20 +236,10 @@ def fetch_prepared(root: str, stored: dict, prepared_dir: str | None = None) -> 
 
 # -- reading ---------------------------------------------------------------------------------------------
 def decode_rgb(data: bytes | memoryview, where: str) -> torch.Tensor:
-    """(3, H, W) uint8 RGB of encoded image bytes, decoded as :func:`datamodules.images.read_rgb` decodes
-    a file (torchvision, then PIL; 16-bit scaled). Failures raise :class:`BadImageError` naming ``where``."""
-    from torchvision.io import ImageReadMode, decode_image
-
-    if len(data) == 0:
-        raise BadImageError(where, "empty file (0 bytes)")
-    try:
-        return _to_uint8(decode_image(torch.from_numpy(np.frombuffer(data, np.uint8).copy()), mode=ImageReadMode.RGB))
-    except Exception:  # formats torchvision does not decode (TIFF, PPM, ...)
-        pass
-    try:
-        return _read_with_pil(io.BytesIO(data))
-    except Exception as err:
-        raise BadImageError(where, str(err) or type(err).__name__) from err
+    """(3, H, W) uint8 RGB of a streamed sample's encoded image, exactly as the folder readers decode
+    the file (:func:`datamodules.images.decode_rgb_bytes`: upright by its EXIF orientation, 16-bit
+    scaled). Failures raise :class:`datamodules.images.BadImageError` naming ``where``."""
+    return decode_rgb_bytes(data, where)
 
 
 @contextlib.contextmanager
@@ -267,7 +262,7 @@ class StreamedSplit(StreamingDataset):
     ``on_bad_image="skip"``); ``where`` names the sample in errors (``<split url> sample <index>``).
 
     ``train``: LitData shuffles (``seed``, epoch) and drops the remainder so every rank gets as many
-    samples; each item is built under :func:`datamodules.loaders.sample_seed` of its ``index``.
+    samples; each item is built under :func:`datamodules.resumable.sample_seed` of its ``index``.
     Otherwise every sample is read once, in order, over all ranks together. ``num_samples``: the
     whole split's (``len`` is this rank's share).
     """
@@ -283,6 +278,14 @@ class StreamedSplit(StreamingDataset):
         self.make_item = make_item
         self.train = train
         self.num_samples = num_samples
+        #: the trainer's epoch being read (:class:`StreamingTrainLoader` sets it before each epoch)
+        self.epoch = 0
+
+    def set_epoch(self, current_epoch: int) -> None:
+        """LitData's loader passes its own count of iterations here; the order follows the trainer's
+        epoch instead (:attr:`epoch`: LitData counts from 1, so its epoch ``e + 1`` is the trainer's ``e``),
+        also when a loader is built anew (``reload_dataloaders_every_n_epochs``)."""
+        super().set_epoch(self.epoch + 1)
 
     def __getitem__(self, index: ChunkedIndex | int):
         position = index.index if isinstance(index, ChunkedIndex) else index
@@ -294,15 +297,8 @@ class StreamedSplit(StreamingDataset):
         where = f"{self.url} sample {sample['index']}" + (f" ({sample['path']})" if "path" in sample else "")
         if not self.train:
             return self.make_item(sample, where)
-        # LitData's epoch 1 is the trainer's epoch 0 (see StreamingTrainLoader)
-        seed = sample_seed(self.seed, self.current_epoch - 1, int(sample["index"]))
+        seed = sample_seed(self.seed, self.epoch, int(sample["index"]))
         return run_seeded(lambda: self.make_item(sample, where), seed)
-
-    def stored_samples(self) -> list[dict]:
-        """Every stored sample of the split as stored, in storage order, on every rank (small splits: text)."""
-        first = StreamingDataset.__getitem__(self, 0)  # opens the split's index
-        self.on_demand_bytes = False  # then whole chunks are downloaded into the cache, not sample by sample
-        return [first] + [StreamingDataset.__getitem__(self, i) for i in range(1, self.num_samples)]
 
 
 class StreamedLoader(SingleThreadedWorkers, StreamingDataLoader):
@@ -310,35 +306,43 @@ class StreamedLoader(SingleThreadedWorkers, StreamingDataLoader):
 
 
 class StreamingTrainLoader(StreamedLoader):
-    """LitData's loader for training, its epoch kept equal to the trainer's.
+    """LitData's loader for training, reading the trainer's epoch.
 
-    LitData counts epochs from 1: its epoch ``e + 1`` is the trainer's ``e``, which sets the shuffle and
-    the samples' seeds, also when a loader is built anew (``reload_dataloaders_every_n_epochs``). Its
-    ``state_dict`` (LitData's position: samples handed out this epoch, per worker) goes into
-    Lightning's checkpoint; on a restart within an epoch Lightning loads it and LitData replays the
-    epoch's order past those samples. Lightning fetches no batch ahead of the one it trains from a
-    loader with a length, so the position is that of the batches trained.
+    Its ``state_dict`` is LitData's (samples handed out this epoch, per worker, and the epoch) and goes
+    into Lightning's checkpoint. On a restart within an epoch Lightning hands it back through
+    :meth:`load_state_dict`; the next iteration gives it to LitData, which replays the epoch's order past
+    those samples (restriped by LitData itself for another batch size or world size). Lightning fetches
+    no batch ahead of the one it trains from a loader with a length, so the position is that of the
+    batches trained. Every other iteration starts the trainer's epoch from its beginning.
     """
 
     def __init__(self, dataset: StreamedSplit, *, trainer=None, **kwargs):
         super().__init__(dataset, **kwargs)
         self.trainer = trainer
+        self._resume: dict | None = None
+        self._iterations = 0
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume = state
 
     def __iter__(self):
-        if not (self.restore and restart_position(self.trainer) is not None):
-            # not resuming: forget a position loaded earlier (an epoch cut short, e.g. by
-            # limit_train_batches, leaves LitData's restore flag set) and start the trainer's epoch
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            super().load_state_dict(resume)
+        else:
+            # LitData keeps a loaded position until an iteration runs to its end, which Lightning never
+            # asks of a loader with a length: an epoch after the resumed one would replay it again
             self.restore = False
-            if self.trainer is not None:
-                self.current_epoch = self.trainer.current_epoch
-        yield from super().__iter__()
+        self.dataset.epoch = self.trainer.current_epoch if self.trainer is not None else self._iterations
+        self._iterations += 1
+        return super().__iter__()
 
 
 def streaming_loader(dataset: StreamedSplit, *, batch_size: int, num_workers: int, train: bool,
                      pin_memory: bool = True, persistent_workers: bool = True, prefetch_factor: int | None = None,
                      collate_fn: Callable | None = None, trainer=None, seed: int = 0) -> StreamingDataLoader:
     """The streamed counterpart of :func:`datamodules.loaders.make_loader` (same arguments)."""
-    if train and dataset.distributed_env.world_size == 1:
+    if train and world()[0] == 1:
         # a split smaller than one batch trains on its partial batch, as the folder loaders do (under DDP
         # LitData drops the remainder: every rank must run as many steps)
         dataset.set_drop_last(dataset.num_samples > batch_size)

@@ -18,14 +18,16 @@ Batches hold as many sentences as fit into ``max_tokens`` padded tokens per side
 (``batch size x longest sentence <= max_tokens``, fairseq's convention), built from
 length-sorted sentences so little is padding. Training batches are re-drawn every
 epoch from ``seed + epoch`` (ties in length broken randomly, batch order shuffled)
-and, after a restart from a checkpoint taken within an epoch, skip the batches already
-trained on (sentences are tokenized once, without sampling, so a sentence is the same
-tensor whenever it is drawn: resuming replays the uninterrupted run exactly);
+and, after a restart from a checkpoint taken within an epoch, skip the sentences already
+trained on (the training loader is stateful, :mod:`datamodules.resumable`; sentences are
+tokenized once, without sampling, so a sentence is the same tensor whenever it is drawn:
+resuming replays the uninterrupted run exactly);
 evaluation batches are fixed. Under DDP the datamodule shards batches itself:
 training ranks get disjoint batches (the same number on each rank), evaluation ranks
 get disjoint sentences that together cover each sentence exactly once. Run with
 ``trainer.use_distributed_sampler=false`` (the recipes set it) so Lightning does not
-shard a second time.
+shard a second time (it refuses to, naming that setting: it cannot put its sampler into
+these batches).
 
 A batch is a dict:
     ``src`` (B, S) source ids ending in eos, pad-filled;
@@ -49,7 +51,8 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from datamodules.demo_text import demo_translation_root
-from datamodules.loaders import StreamedSource, restart_position
+from datamodules.loaders import StreamedSource
+from datamodules.resumable import EpochOrder, ResumableLoader
 from datamodules.prepared import PreparedIndex, file_signature, prepare
 from datamodules.tokenizer import (BOS_ID, EOS_ID, PAD_ID, TextLines, Tokenizer, decode_lines, joint_tokenizer,
                                    read_lines)
@@ -286,15 +289,14 @@ def pack_by_tokens(order: np.ndarray, num_tokens: np.ndarray, max_tokens: int,
     return batches
 
 
-class TokenBatchSampler(Sampler[list[int]]):
+class TokenBatchSampler(EpochOrder, Sampler[list[int]]):
     """Length-bucketed batches of at most ``max_tokens`` padded tokens, sharded over ranks.
 
     ``shuffle=True`` (training): every epoch, a permutation seeded by ``seed + epoch`` breaks
     length ties before sorting, the packed batches are shuffled, and rank r takes batches
-    r, r + R, ... of the first ``R * floor(n / R)`` (equal step counts on all ranks). With
-    ``trainer`` given, iteration that starts while Lightning restarts ``fit`` mid-epoch
-    rebuilds that epoch's batches and skips those already trained on (see
-    :func:`datamodules.loaders.restart_position`); ``len`` stays the whole epoch.
+    r, r + R, ... of the first ``R * floor(n / R)`` (equal step counts on all ranks). Iteration
+    starts after the first ``start`` sentences of the epoch's batches (all ranks together), which
+    :class:`TokenBatchLoader` sets from the position Lightning saved; ``len`` stays the whole epoch.
 
     ``shuffle=False`` (evaluation): sentences, not batches, are dealt out, so rank r
     evaluates sentences r, r + R, ... of the length-sorted order: every sentence exactly
@@ -302,7 +304,7 @@ class TokenBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, num_tokens: np.ndarray, max_tokens: int, *, shuffle: bool, seed: int = 0,
-                 num_replicas: int = 1, rank: int = 0, max_sentences: int | None = None, trainer=None):
+                 num_replicas: int = 1, rank: int = 0, max_sentences: int | None = None):
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         if not 0 <= rank < num_replicas:
@@ -315,19 +317,22 @@ class TokenBatchSampler(Sampler[list[int]]):
         self.num_replicas = num_replicas
         self.rank = rank
         self.epoch = 0
-        self.trainer = trainer
+        self.start = 0
         self._cached: tuple[int, list[np.ndarray]] | None = None
         # Lightning calls ``set_epoch`` on ``dataloader.batch_sampler.sampler``
         self.sampler = self
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def batches(self) -> list[np.ndarray]:
-        """This rank's batches (arrays of dataset indices) for the current epoch."""
+    def all_batches(self) -> list[np.ndarray]:
+        """The current epoch's batches of all ranks (arrays of dataset indices): rank r's are r, r + R, ..."""
         if self._cached is None or self._cached[0] != self.epoch:
             self._cached = (self.epoch, self._make_batches())
         return self._cached[1]
+
+    def batches(self) -> list[np.ndarray]:
+        """This rank's batches for the current epoch."""
+        if not self.shuffle:
+            return self.all_batches()
+        return self.all_batches()[self.rank :: self.num_replicas]
 
     def _make_batches(self) -> list[np.ndarray]:
         n = len(self.num_tokens)
@@ -340,18 +345,41 @@ class TokenBatchSampler(Sampler[list[int]]):
         batches = pack_by_tokens(order, self.num_tokens, self.max_tokens, self.max_sentences)
         batches = [batches[i] for i in rng.permutation(len(batches))]
         usable = len(batches) // self.num_replicas * self.num_replicas
-        return batches[self.rank : usable : self.num_replicas]
+        return batches[:usable]
+
+    def _sentences_before(self) -> np.ndarray:
+        """Sentences of all ranks before each round of batches (round k: every rank's k-th batch)."""
+        sizes = [len(b) for b in self.all_batches()]
+        rounds = np.add.reduceat(sizes, np.arange(0, len(sizes), self.num_replicas)) if sizes else np.zeros(0, int)
+        return np.concatenate([[0], np.cumsum(rounds)])
+
+    def skipped(self) -> int:
+        """This rank's batches before ``start``: the rounds of batches whose sentences have all been trained on
+        (with other ``max_tokens`` than the position was counted with, as many sentences of the new batches)."""
+        if not self.start:
+            return 0
+        return int(np.searchsorted(self._sentences_before(), self.start, side="right")) - 1
+
+    def samples_after(self, batches: int) -> int:
+        if not self.shuffle:
+            return 0
+        before = self._sentences_before()
+        return int(before[min(self.skipped() + batches, len(before) - 1)])
 
     def __iter__(self) -> Iterator[list[int]]:
-        skip = 0
-        restart = restart_position(self.trainer) if self.shuffle else None
-        if restart is not None:
-            epoch, skip = restart
-            self.set_epoch(epoch)
+        skip = self.skipped() if self.shuffle else 0
         return iter([b.tolist() for b in self.batches()[skip:]])
 
     def __len__(self) -> int:
         return len(self.batches())
+
+
+class TokenBatchLoader(ResumableLoader, DataLoader):
+    """The training loader of token batches: its position in the epoch (sentences) is saved in checkpoints."""
+
+    @property
+    def batch_setting(self) -> int:
+        return self.batch_sampler.max_tokens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -546,10 +574,6 @@ class TranslationDataModule(StreamedSource, LightningDataModule):
                 "character_coverage": hp.character_coverage}
 
     def setup(self, stage: str) -> None:
-        if self.trainer is not None and self.trainer.world_size > 1 and \
-                self.trainer._accelerator_connector.use_distributed_sampler:
-            raise ValueError("TranslationDataModule shards batches over ranks itself; "
-                             "run with --trainer.use_distributed_sampler=false")
         if stage != "predict" and self.predict_path is not None:
             raise ValueError(f"predict_path is for predict only; drop --data.predict_path to {stage}")
         if stage == "fit":
@@ -566,10 +590,11 @@ class TranslationDataModule(StreamedSource, LightningDataModule):
     def _loader(self, data: ParallelText, shuffle: bool, max_tokens: int) -> DataLoader:
         replicas, rank = self._replicas()
         sampler = TokenBatchSampler(data.num_tokens, max_tokens, shuffle=shuffle, seed=self.seed,
-                                    num_replicas=replicas, rank=rank, trainer=self.trainer if shuffle else None)
+                                    num_replicas=replicas, rank=rank)
+        loader_class = TokenBatchLoader if shuffle else DataLoader
         # a private generator: creating the iterator must not consume the global RNG (exact resume)
-        return DataLoader(data, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0, generator=torch.Generator().manual_seed(self.seed))
+        return loader_class(data, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
+                            persistent_workers=self.num_workers > 0, generator=torch.Generator().manual_seed(self.seed))
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.dataset(self.splits["fit"], training=True), True, self.max_tokens)

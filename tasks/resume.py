@@ -7,9 +7,10 @@
   batches already trained on are skipped; another order would see some samples twice and others
   never. Refused.
 - global batch (``data.batch_size`` or translation's ``data.max_tokens``,
-  ``trainer.accumulate_grad_batches``, ``world_size`` = devices x nodes): the position in the
-  epoch is stored in batches, so a resume with other batches would skip the wrong number of
-  samples, and the schedule counts optimizer steps of another size. Refused.
+  ``trainer.accumulate_grad_batches``, ``world_size`` = devices x nodes): the schedule counts
+  optimizer steps of another size, and Lightning counts the batches done in the epoch as batches of
+  the new size. Refused. (The position in the epoch is stored in samples, :mod:`datamodules.resumable`, so the
+  data itself goes on after the samples already trained on.)
 - optimizer and schedule arguments (``model.optimizer``, ``model.scheduler``): the checkpoint's
   optimizer state (learning rate included) would silently win over the new values that
   ``suite_config.yaml`` records. Refused.
@@ -51,8 +52,10 @@ DATA_KEYS = ("seed", "shuffle", "batch_size", "max_tokens")
 
 CONSEQUENCE = {
     DATA_ORDER: "the rest of the epoch follows the new order: some of its samples are seen twice, others never",
-    GLOBAL_BATCH: "the epoch's position is counted in batches: the resumed epoch skips batches of the new size, "
-                  "not the samples already trained on, and the schedule's steps are of another size",
+    GLOBAL_BATCH: "the epoch's position is converted to samples: the resumed epoch goes on after the samples "
+                  "already trained on (other max_tokens pack other batches: it skips as many sentences of the new "
+                  "ones); Lightning still counts the batches done in this epoch as batches of the new size, so a "
+                  "larger batch ends this epoch early, and the schedule's steps are of another size",
     OPTIMIZATION: "the new values replace the checkpoint's from the first resumed step; the optimizer's moments are kept",
 }
 
