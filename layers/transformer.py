@@ -97,8 +97,7 @@ class TransformerBlock(nn.Module):
         if self.training:
             x = x + self.drop_path(self.proj_drop(self.attend(self.norm1(x))))
             return x + self.drop_path(self.mlp(self.norm2(x)))
-        # dropout and stochastic depth are identities in eval mode, so the residual adds can
-        # ride on the output projections' kernels (layers.feedforward.fused_linear)
+        # dropout and stochastic depth are identities in eval mode: the residual adds go to the sub-layers
         x = self.attend(self.norm1(x), residual=x)
         return self.mlp(self.norm2(x), residual=x)
 

@@ -11,6 +11,9 @@ memory the same way; ``mallopt`` asks glibc for it at run time, with nothing to 
 
 The cost: the process holds on to its peak heap instead of returning it between steps. Set
 ``SUITE_SYSTEM_MALLOC=1`` to keep glibc's defaults (e.g. to compare, or on a machine short of memory).
+It is one of the CPU speed paths (``benchmarks/RESULTS.md``, "CPU speed paths"): ``SUITE_CPU_SPEEDUPS=0``
+turns it off with the others, and a machine with a CUDA GPU, where the suite trains on the GPU,
+keeps glibc's defaults.
 """
 from __future__ import annotations
 
@@ -28,9 +31,14 @@ KEEP_FREED_BYTES = 2**31 - 1
 def reuse_freed_memory() -> bool:
     """Serve large allocations from the heap (no mapping per tensor) and keep freed memory there.
 
-    Returns whether the setting applied: Linux with glibc, unless ``SUITE_SYSTEM_MALLOC`` is set.
-    Forked DataLoader workers inherit it. Safe to call more than once."""
-    if os.environ.get("SUITE_SYSTEM_MALLOC") or not sys.platform.startswith("linux"):
+    Returns whether the setting applied: Linux with glibc and no CUDA GPU, unless ``SUITE_SYSTEM_MALLOC``
+    is set or ``SUITE_CPU_SPEEDUPS=0``. Forked DataLoader workers inherit it. Safe to call more than once."""
+    if (os.environ.get("SUITE_SYSTEM_MALLOC") or os.environ.get("SUITE_CPU_SPEEDUPS", "1") == "0"
+            or not sys.platform.startswith("linux")):
+        return False
+    import torch
+
+    if torch.cuda.is_available():
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -123,29 +123,6 @@ def test_mha_equals_torch_multihead_attention_with_masks():
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("n_query, n_key", [(7, 7), (4, 21), (1, 9)])
-def test_small_inference_attention_equals_sdpa(n_query, n_key):
-    """Small score matrices skip SDPA at inference (two matmuls and a softmax); same outputs as the
-    SDPA path that training takes, with padding, causal masks and a float bias."""
-    from layers.attention import prefers_explicit_attention
-
-    attn = make("mha")
-    q, mem = torch.randn(3, n_query, DIM), torch.randn(3, n_key, DIM)
-    pad = torch.zeros(3, n_key, dtype=torch.bool)
-    pad[1, n_key // 2:] = True
-    bias = torch.randn(n_query, n_key)
-    calls = [dict(key=mem, key_padding_mask=pad), dict(key=mem, attn_mask=bias), dict(key=mem)]
-    if n_query == n_key:
-        calls += [dict(is_causal=True), dict(key_padding_mask=pad, is_causal=True)]
-    for kwargs in calls:
-        with torch.enable_grad():
-            assert not prefers_explicit_attention(q, n_query, n_key, 0.0)
-            reference = attn(q, **kwargs)
-        with torch.inference_mode():
-            assert prefers_explicit_attention(q, n_query, n_key, 0.0)
-            torch.testing.assert_close(attn(q, **kwargs), reference, atol=1e-5, rtol=1e-5)
-
-
 def test_separable_attention_is_eq3_of_the_paper():
     """y = (ReLU(x W_V) * sum_k softmax(x W_I)_k (x W_K)_k) W_O, written out by hand."""
     attn = make("separable")

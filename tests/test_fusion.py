@@ -1,19 +1,17 @@
-"""Inference fusion (layers.feedforward.fused_linear): at CPU inference the shared layers run
-Linear + bias + activation or + residual as one oneDNN kernel. The fused models must give the
-plain ops' results (autograd on turns fusion off, so the same model is its own reference), and
-tools that watch the ops (FLOP counter, export) must still see the plain ones."""
+"""Inference fusion: at CPU inference ConvNormAct folds its BatchNorm into the convolution (the
+``fold_batchnorm`` path of layers.cpu_speedups). The folded models must give the plain ops' results
+(autograd on turns folding off, so the same model is its own reference), and tools that watch the
+ops (FLOP counter) must count the same."""
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from backbones import create_backbone
+from layers.attention import register_cpu_sdpa_flops
 from layers.conv import ACTIVATIONS, ConvNormAct
-from layers.feedforward import ONEDNN_LINEAR, fused_linear, onednn_inference
-
-needs_onednn = pytest.mark.skipif(not ONEDNN_LINEAR, reason="torch built without oneDNN")
+from layers.cpu_speedups import cpu_inference
 
 BACKBONES = [
     ("vit", dict(size="tiny", img_size=64, depth=2), 64),
@@ -37,7 +35,6 @@ def perturbed(model: nn.Module) -> nn.Module:
     return model.eval()
 
 
-@needs_onednn
 @pytest.mark.parametrize("name, kwargs, size", BACKBONES, ids=lambda v: v if isinstance(v, str) else None)
 def test_fused_inference_equals_the_plain_ops(name, kwargs, size):
     model = perturbed(create_backbone(name, **kwargs))
@@ -46,7 +43,7 @@ def test_fused_inference_equals_the_plain_ops(name, kwargs, size):
         plain = model.forward_pooled(x)
         plain_map = model(x)
     with torch.inference_mode():
-        assert onednn_inference(x)
+        assert cpu_inference("fold_batchnorm", x)
         fused = model.forward_pooled(x)
         fused_map = model(x)
     assert (fused - plain).abs().max() <= 1e-5
@@ -54,29 +51,11 @@ def test_fused_inference_equals_the_plain_ops(name, kwargs, size):
         assert (fused_map[stride] - plain_map[stride]).abs().max() <= 1e-5
 
 
-@needs_onednn
-@pytest.mark.parametrize("activation", [None, nn.GELU(), nn.GELU(approximate="tanh"), nn.ReLU(), nn.SiLU(), nn.Tanh()])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_fused_linear_equals_linear_activation_add(activation, with_residual):
-    torch.manual_seed(0)
-    layer = nn.Linear(24, 40)
-    x = torch.randn(3, 7, 24)
-    residual = torch.randn(3, 40, 7).transpose(1, 2) if with_residual else None  # strided, as the Mixer passes it
-    expected = F.linear(x, layer.weight, layer.bias)
-    if activation is not None:
-        expected = activation(expected)
-    if residual is not None:
-        expected = expected + residual
-    with torch.inference_mode():
-        out = fused_linear(x, layer, activation, residual)
-    assert out.shape == expected.shape
-    assert (out - expected).abs().max() <= 1e-5
-
-
 def test_autograd_and_flop_counting_see_the_plain_ops():
     model = perturbed(create_backbone("vit", size="tiny", img_size=32, patch_size=16, depth=1))
     x = torch.randn(1, 3, 32, 32)
-    assert not onednn_inference(x)  # autograd on: the fused kernels have no backward
+    register_cpu_sdpa_flops()
+    assert not cpu_inference("fold_batchnorm", x)  # autograd on: training takes the plain ops
     model.forward_pooled(x).sum().backward()
     assert model.blocks[0].mlp.fc1.weight.grad is not None
     counts = []
