@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as nnf
 from torchvision import tv_tensors
 from torchvision.transforms import v2
-from torchvision.transforms.functional import _get_inverse_affine_matrix
 
 from datamodules.images import collate_skipping
 
@@ -35,6 +34,27 @@ def to_uint8(pixels: torch.Tensor) -> torch.Tensor:
     """Float values in [0, 255] to uint8, truncating as ``.to(torch.uint8)`` does; through int32,
     which CPU kernels convert several times faster than float to uint8."""
     return pixels.to(torch.int32).to(torch.uint8)
+
+
+def inverse_affine(centre: tuple[float, float], angle: float, shear: tuple[float, float]) -> list[float]:
+    """The inverse (output pixel -> source pixel) of a rotation by ``angle`` degrees and a shear by
+    ``shear`` degrees (x, y) about ``centre`` (in coordinates centred on the image), as a 2x3 row-major
+    matrix: torchvision's ``affine`` with no translation and scale 1, computed in its order of float
+    operations so the warps stay bit-identical to its own."""
+    rot, shear_x, shear_y = math.radians(angle), math.radians(shear[0]), math.radians(shear[1])
+    cx, cy = centre
+    # rotation after shear: [[a, b], [c, d]], of determinant 1, so its inverse is [[d, -b], [-c, a]]
+    a = math.cos(rot - shear_y) / math.cos(shear_y)
+    b = -math.cos(rot - shear_y) * math.tan(shear_x) / math.cos(shear_y) - math.sin(rot)
+    c = math.sin(rot - shear_y) / math.cos(shear_y)
+    d = -math.sin(rot - shear_y) * math.tan(shear_x) / math.cos(shear_y) + math.cos(rot)
+    matrix = [d, -b, 0.0, -c, a, 0.0]
+    # about the centre: move it to the origin, map, move it back
+    matrix[2] += matrix[0] * (-cx) + matrix[1] * (-cy)
+    matrix[5] += matrix[3] * (-cx) + matrix[4] * (-cy)
+    matrix[2] += cx
+    matrix[5] += cy
+    return matrix
 
 
 def sample_affine(image: torch.Tensor, inverse: list[float]) -> torch.Tensor:
@@ -121,12 +141,11 @@ class FastRandAugment(v2.RandAugment):
         elif transform_id == "Solarize":  # invert the pixels at or above the threshold: XOR with 255
             out = pixels ^ (pixels >= 255.0 * magnitude).to(torch.uint8).mul_(255)
         elif transform_id == "Rotate":
-            out = sample_affine(pixels, _get_inverse_affine_matrix([0.0, 0.0], -magnitude, [0.0, 0.0], 1.0, [0.0, 0.0]))
+            out = sample_affine(pixels, inverse_affine((0.0, 0.0), -magnitude, (0.0, 0.0)))
         else:  # ShearX / ShearY about the top-left corner, as torchvision's RandAugment shears
             angle = math.degrees(math.atan(magnitude))
             shear = [angle, 0.0] if transform_id == "ShearX" else [0.0, angle]
-            out = sample_affine(pixels, _get_inverse_affine_matrix([-0.5 * width, -0.5 * height], 0.0, [0.0, 0.0],
-                                                                   1.0, shear))
+            out = sample_affine(pixels, inverse_affine((-0.5 * width, -0.5 * height), 0.0, shear))
         return tv_tensors.wrap(out, like=image) if isinstance(image, tv_tensors.TVTensor) else out
 
 
