@@ -311,3 +311,22 @@ def test_streamed_fit_killed_mid_epoch_resumes_exactly(workers, optimized, tmp_p
     # and it really resumed mid-epoch: the killed run's checkpoint held LitData's position after 2 batches
     loader_state = interrupted["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     assert loader_state["num_samples_yielded"] == 2 * 8 and loader_state["current_epoch"] == 2
+
+
+def test_a_streamed_photo_is_decoded_upright_like_the_folder_read_one(tmp_path):
+    """A stored sample keeps the file's bytes, EXIF orientation included: the streamed decode turns
+    it upright as the folder readers do, so both give the same pixels."""
+    import numpy as np
+    from PIL import Image
+
+    from datamodules.images import read_rgb
+    from datamodules.streaming import decode_rgb
+
+    pixels = np.random.default_rng(0).integers(0, 256, (20, 36, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated: viewers show it 20 wide, 36 high
+    path = tmp_path / "photo.png"
+    Image.fromarray(pixels).save(path, exif=exif)
+    streamed = decode_rgb(path.read_bytes(), "sample 0")
+    assert streamed.shape == (3, 36, 20)
+    assert torch.equal(streamed, read_rgb(path))
