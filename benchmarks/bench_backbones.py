@@ -174,7 +174,9 @@ def attention_flops(fn) -> int:
     """FLOPs of the fused attention kernels (SDPA forward and backward) in one call of ``fn``."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    import layers.attention  # noqa: F401  (teaches the counter the CPU attention kernels)
+    from layers.attention import register_cpu_sdpa_flops
+
+    register_cpu_sdpa_flops()  # teaches the counter the CPU attention kernels
 
     counter = FlopCounterMode(display=False)
     with counter:
@@ -306,7 +308,9 @@ def train_step_flops(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
     of its weights."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    import layers.attention  # noqa: F401  (teaches the counter the CPU attention kernels)
+    from layers.attention import register_cpu_sdpa_flops
+
+    register_cpu_sdpa_flops()  # teaches the counter the CPU attention kernels
 
     model.train()
     counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: conv_backward_flops})

@@ -39,7 +39,8 @@ from datamodules.images import (
     predict_images,
     read_rgb,
 )
-from datamodules.classification_transforms import MixCollate, eval_transform, train_transform
+from datamodules.classification_transforms import MixCollate, train_transform
+from datamodules.input_spec import InputSpec, classification_spec
 from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
 from datamodules.prepared import StringTable, folder_signature, prepare
 
@@ -326,10 +327,14 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
     def num_classes(self) -> int:
         return len(self.classes)
 
+    @property
+    def input_spec(self) -> InputSpec:
+        """How images enter the network at evaluation (:mod:`datamodules.input_spec`); the task keeps it
+        in its checkpoint."""
+        return classification_spec(self.hparams)
+
     def _eval_transform(self) -> v2.Compose:
-        h = self.hparams
-        resize = h.eval_resize or int(round(h.image_size / 0.875))
-        return eval_transform(h.image_size, resize, h.mean, h.std, h.interpolation)
+        return self.input_spec.eval_transform()
 
     def _dataset(self, split_dir: str, train: bool) -> ImageFolderDataset:
         h = self.hparams

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from layers.attention import KVCache, MultiHeadAttention, explicit_attention, prefers_explicit_attention
+from layers.attention import KVCache, MultiHeadAttention
 from layers.feedforward import FeedForward, fused_linear, linear
 from layers.transformer import Residual, TokenEmbedding, init_transformer_weights
 
@@ -134,11 +134,7 @@ class DecoderLayer(nn.Module):
         allowed = None
         if new > 1:  # causal among the new positions, which all see the cached ones
             allowed = torch.ones(new, keys.shape[2], dtype=torch.bool, device=h.device).tril(keys.shape[2] - new)
-        if prefers_explicit_attention(q, new, keys.shape[2], dropout_p):
-            bias = None if allowed is None else torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
-            out = explicit_attention(q, keys, values, bias)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, dropout_p=dropout_p)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, dropout_p=dropout_p)
         return fused_linear(out.transpose(1, 2).reshape(n, new, dim), attn.proj)
 
     def _cross_attention(self, h: Tensor, memory: Tensor | None, memory_bias: Tensor | None,

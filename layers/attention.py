@@ -62,9 +62,7 @@ __all__ = [
     "RandomSynthesizerAttention",
     "SeparableSelfAttention",
     "build_attention",
-    "explicit_attention",
     "list_attention",
-    "prefers_explicit_attention",
     "register_attention",
     "register_cpu_sdpa_flops",
 ]
@@ -330,18 +328,6 @@ class MultiHeadAttention(Attention):
                 mask = mask + bias
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), dropout_p=dropout_p)
         return self._merge(out)
-
-
-def prefers_explicit_attention(q: Tensor, n_query: int, n_key: int, dropout_p: float) -> bool:
-    """Always False: explicit attention for small score matrices was a CPU speed path, removed for
-    gaining less than 5 % on translation latency (benchmarks/RESULTS.md, "CPU speed paths"). Kept,
-    with :func:`explicit_attention`, only until ``heads.seq2seq`` stops calling them."""
-    return False
-
-
-def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v; see :func:`prefers_explicit_attention`."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 @register_attention("separable")

@@ -39,6 +39,9 @@ def count_flops(model: nn.Module, example_input: Any) -> int:
     """FLOPs (2 per multiply-add) of ``model(example_input)`` in eval mode; a tuple/list input is
     unpacked into positional arguments, a dict into keyword arguments. The training mode of every
     sub-module is restored afterwards."""
+    from layers.attention import register_cpu_sdpa_flops
+
+    register_cpu_sdpa_flops()  # torch's counter does not know the CPU attention kernels yet
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:

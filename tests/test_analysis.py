@@ -46,7 +46,9 @@ def test_training_flops_count_cpu_attention_backward():
     # CPU flash kernel's backward recomputes the scores, so it runs 5 products of the forward's 2
     from torch.utils.flop_counter import FlopCounterMode
 
-    import layers.attention  # noqa: F401
+    from layers.attention import register_cpu_sdpa_flops
+
+    register_cpu_sdpa_flops()
     q, k, v = (torch.randn(2, 3, 50, 16, requires_grad=True) for _ in range(3))
     counter = FlopCounterMode(display=False)
     with counter:

@@ -107,7 +107,7 @@ def test_tensor_pipeline_equals_the_former_pil_pipeline(tmp_path):
     gave: the resize, crop and normalisation ran on tensors before too."""
     from torchvision.transforms import v2
 
-    from datamodules.imagefolder import eval_transform, train_transform
+    from datamodules.classification_transforms import eval_transform, train_transform
     from datamodules.images import read_rgb
 
     path = tmp_path / "x.png"
