@@ -360,6 +360,15 @@ def _as_list(value) -> list:
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
+def _plain(value):
+    """Saved arguments as YAML can write them (tuples as lists)."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
 def _pair(size) -> tuple:
     return tuple(size) if isinstance(size, (list, tuple)) else (size, size)
 
@@ -429,7 +438,7 @@ def with_checkpoint_arguments(argv: list[str], checkpoint: dict) -> tuple[list[s
         rest = without_option(rest, "--ckpt_path")
     configs = [i for i, arg in enumerate(rest) if arg == "--config" or arg.startswith("--config=")]
     at = (configs[-1] + (1 if "=" in rest[configs[-1]] else 2)) if configs else len(rest)
-    layer = ["--config", yaml.safe_dump({"model": hparams}, sort_keys=False)]
+    layer = ["--config", yaml.safe_dump({"model": _plain(hparams)}, sort_keys=False)]
     return rest[:at] + layer + rest[at:] + overrides, path
 
 
