@@ -66,7 +66,7 @@ def measure_latency(run_dirs: list[Path], repeats: int) -> None:
     process (one thread) so that every model sees the same machine state."""
     import torch
 
-    from tasks.cli import read_checkpoint
+    from tasks.checkpoints import read_checkpoint
     from tasks.classify import ClassificationTask
     from tasks.translate import TranslationTask
 

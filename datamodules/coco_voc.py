@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 from datamodules.coco import read_annotation_json
 from datamodules.images import OnBadImage, guarded, read_rgb_array
 from datamodules.prepared import StringTable, file_signature, prepare
-from datamodules.segmentation import VOC_CLASSES, MaskFormat, image_and_labels, segmentation_item
+from datamodules.segmentation_layouts import VOC_CLASSES, MaskFormat, image_and_labels, segmentation_item
 
 #: COCO 2017 category name -> VOC class name, for the 20 VOC classes (COCO's ids 5, 2, 16, 9, 44, 6, 3,
 #: 17, 62, 21, 67, 18, 19, 4, 1, 64, 20, 63, 7, 72 in CVNets' ``coco_to_pascal_mapping``)

@@ -39,7 +39,7 @@ from datamodules.input_spec import InputSpec, input_spec_of
 def load(path: str | Path, map_location: Any = "cpu"):
     """The model of a checkpoint written by this suite, as the task class it names (``suite_task``),
     in evaluation mode."""
-    from tasks.cli import read_checkpoint
+    from tasks.checkpoints import read_checkpoint
 
     name = read_checkpoint(path).get("suite_task")
     if not name:

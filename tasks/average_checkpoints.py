@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from tasks.checkpoint_io import save_atomically
-from tasks.cli import read_checkpoint
+from tasks.checkpoints import read_checkpoint
 
 #: top-level checkpoint entries that only resuming `fit` reads; an averaged checkpoint has none
 TRAINING_STATE = ("optimizer_states", "lr_schedulers", "loops", "callbacks", "rng_states",

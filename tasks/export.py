@@ -105,7 +105,7 @@ def export_spec(model, overrides: dict[str, Any]) -> InputSpec | None:
 def run_export(argv: Sequence[str], model_class: type, prog: str = "export") -> ExportReport:
     """``export`` for ``model_class``'s task: parse ``argv`` (the arguments after ``export``), export, check, print."""
     from tasks.base import qualified_name
-    from tasks.cli import check_checkpoint_file
+    from tasks.checkpoints import check_checkpoint_file
 
     exporter = exporter_of(model_class)
     rest, overrides = split_data_overrides(argv)
