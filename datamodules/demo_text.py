@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 from datamodules.demo import demo_root
+from layers.compat import babel_locale_data, gettext_catalog
 
 #: pycountry gettext domains, in the order their pairs are taken
 PYCOUNTRY_DOMAINS = ("iso3166-1", "iso3166-3", "iso3166-2", "iso4217", "iso15924", "iso639-5", "iso639-3")
@@ -73,7 +74,7 @@ def _catalog(locales_dir: str, domain: str, lang: str) -> dict[str, str] | None:
         translation = gettext.translation(domain, locales_dir, languages=[lang])
     except FileNotFoundError:
         return None
-    return {k: v for k, v in translation._catalog.items() if isinstance(k, str) and k and v}
+    return {k: v for k, v in gettext_catalog(translation).items() if isinstance(k, str) and k and v}
 
 
 def _leaves(node, path: tuple = ()) -> Iterator[tuple[tuple, str]]:
@@ -103,11 +104,11 @@ def _cldr_texts(lang: str, other: str) -> dict[tuple, str]:
     locale, locales = babel.Locale.parse(lang), (babel.Locale.parse(lang), babel.Locale.parse(other))
     texts: dict[tuple, str] = {}
     for section in CLDR_NAME_SECTIONS:
-        for path, text in _leaves(locale._data.get(section, {})):
+        for path, text in _leaves(babel_locale_data(locale).get(section, {})):
             if "{" not in text:
                 texts[(section,) + path] = text
     for section in CLDR_PATTERN_SECTIONS:
-        for path, text in _leaves(locale._data.get(section, {})):
+        for path, text in _leaves(babel_locale_data(locale).get(section, {})):
             if "{0}" not in text or "{1}" in text or not path:
                 continue
             number = _number_for(str(path[-1]), locales)

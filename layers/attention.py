@@ -48,6 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils import flop_counter
 
+from layers.compat import cpu_sdpa_kernels
 from layers.feedforward import fused_linear, linear
 from layers.registry import Registry
 
@@ -76,9 +77,8 @@ def register_cpu_sdpa_flops() -> None:
     The counter knows SDPA's CUDA kernels only, so attention's matrix products went uncounted on
     CPU (ViT-S/16 at 224: 4.25 of 4.6 GMACs). The FLOP-counting code calls this before it counts;
     it changes torch's global registry, so nothing does it at import. Safe to call more than once."""
-    for kernel, formula in ((torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, flop_counter.sdpa_flop),
-                            (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
-                             flop_counter.sdpa_backward_flop)):
+    forward, backward = cpu_sdpa_kernels()
+    for kernel, formula in ((forward, flop_counter.sdpa_flop), (backward, flop_counter.sdpa_backward_flop)):
         if kernel not in flop_counter.flop_registry:
             flop_counter.register_flop_formula(kernel, get_raw=True)(formula)
 

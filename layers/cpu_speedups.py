@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+from layers.compat import in_dispatch_mode
 
 PATHS = ("fold_batchnorm", "depthwise_weight_grad")
 
@@ -70,5 +70,5 @@ def cpu_inference(path: str, x: torch.Tensor) -> bool:
         and not torch.onnx.is_in_onnx_export()
         and not torch.compiler.is_compiling()
         and not torch.compiler.is_exporting()
-        and not is_in_torch_dispatch_mode()
+        and not in_dispatch_mode()
     )

@@ -118,7 +118,7 @@ class TaskModule(LightningModule):
         # Under LightningCLI the saved values are the resolved config (class paths and arguments),
         # which load_from_checkpoint can rebuild. Built in Python, modules and callables passed in
         # cannot go into a weights-only checkpoint: those arguments are left out.
-        from tasks.compat import built_by_lightning_cli
+        from layers.compat import built_by_lightning_cli
 
         frame = inspect.currentframe().f_back
         if built_by_lightning_cli():

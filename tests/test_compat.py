@@ -1,4 +1,4 @@
-"""Upgrade guards: each private name tasks/compat.py keeps, and each public LightningCLI hook the
+"""Upgrade guards: each private name layers/compat.py keeps, and each public LightningCLI hook the
 suite overrides, still exists. An upgrade that removes or renames one fails here, by name, with
 the installed version, instead of silently (an override nobody calls any more changes nothing)."""
 from __future__ import annotations
@@ -9,23 +9,25 @@ from importlib.metadata import version
 
 import pytest
 
-from tasks.compat import PRIVATE_NAMES
+from layers.compat import PRIVATE_NAMES
 
 
 @pytest.mark.parametrize("module, name, use", PRIVATE_NAMES, ids=[name for _, name, _ in PRIVATE_NAMES])
 def test_private_name_kept_in_compat_still_exists(module, name, use):
-    found = getattr(importlib.import_module(module), name, None)
-    assert found is not None, (f"lightning {version('lightning')}: {module}.{name} is gone; tasks/compat.py uses it "
-                               f"for {use}. Find its replacement and update tasks/compat.py.")
+    library = module.split(".")[0]
+    found = getattr(importlib.import_module(module), name, None) if module != "torch.ops.aten" else \
+        getattr(__import__("torch").ops.aten, name, None)
+    assert found is not None, (f"{library} {version(library)}: {module}.{name} is gone; layers/compat.py uses it "
+                               f"for {use}. Find its replacement and update layers/compat.py.")
 
 
 def test_lightning_cli_context_is_a_context_variable():
     from lightning.pytorch.core.mixins import hparams_mixin
 
-    from tasks.compat import built_by_lightning_cli
+    from layers.compat import built_by_lightning_cli
 
     assert isinstance(hparams_mixin._given_hyperparameters, ContextVar), (
-        f"lightning {version('lightning')}: _given_hyperparameters is no longer a ContextVar (tasks/compat.py)")
+        f"lightning {version('lightning')}: _given_hyperparameters is no longer a ContextVar (layers/compat.py)")
     assert built_by_lightning_cli() is False
 
 

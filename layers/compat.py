@@ -1,0 +1,64 @@
+"""The one place where the suite reaches into other libraries' private names.
+
+Everything else uses public APIs. Each access here says why no public API does it, and
+``tests/test_compat.py`` fails naming the library version and the private name when an upgrade
+removes or changes one, so an upgrade breaks loudly here instead of silently elsewhere. It sits on
+the floor (``layers/``) because the layers use it too; the libraries it touches are imported only
+inside the function that needs them.
+"""
+from __future__ import annotations
+
+#: (module, private name, what the suite uses it for): checked by tests/test_compat.py
+PRIVATE_NAMES = [
+    ("lightning.pytorch.core.mixins.hparams_mixin", "_given_hyperparameters",
+     "tasks.base: is LightningCLI building this model (save its resolved config) or plain Python"),
+    ("torch.utils._python_dispatch", "is_in_torch_dispatch_mode",
+     "layers.cpu_speedups: the CPU speed paths step aside for the FLOP counter and other dispatch modes"),
+    ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu",
+     "layers.attention.register_cpu_sdpa_flops: the FLOP counter's formula for CPU attention"),
+    ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu_backward",
+     "layers.attention.register_cpu_sdpa_flops: the same for its backward"),
+]
+
+
+def built_by_lightning_cli() -> bool:
+    """True while LightningCLI instantiates a model with ``load_from_checkpoint`` support.
+
+    Then ``save_hyperparameters`` stores LightningCLI's resolved config (class paths and their
+    arguments), which a weights-only checkpoint can hold and ``load_from_checkpoint`` rebuilds;
+    built in plain Python, the model must leave out the modules and callables it was given.
+    Lightning tells the two apart only through this context variable, which
+    ``save_hyperparameters`` reads itself; no public API exposes it (Lightning 2.6)."""
+    from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
+
+    return _given_hyperparameters.get() is not None
+
+
+def in_dispatch_mode() -> bool:
+    """Whether a ``TorchDispatchMode`` (the FLOP counter, an op logger) is active. torch offers no
+    public test for it; the CPU speed paths must then run the plain ops the mode expects to see."""
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    return is_in_torch_dispatch_mode()
+
+
+def cpu_sdpa_kernels() -> tuple:
+    """(forward, backward) aten ops SDPA runs on CPU. They have no public alias, and the FLOP counter
+    registers formulas by op."""
+    import torch
+
+    aten = torch.ops.aten
+    return (aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward)
+
+
+def gettext_catalog(translations) -> dict:
+    """Every message of a ``gettext`` translation (the demo corpus reads pycountry's catalogs whole).
+    The standard library can look messages up one by one but not list them."""
+    return translations._catalog
+
+
+def babel_locale_data(locale) -> dict:
+    """A babel ``Locale``'s raw CLDR tree (the demo corpus walks its name and pattern sections); babel
+    exposes selected properties only."""
+    return locale._data
