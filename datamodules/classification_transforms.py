@@ -117,6 +117,7 @@ class FastRandAugment(v2.RandAugment):
     FAST_OPS = ("TranslateX", "TranslateY", "ShearX", "ShearY", "Rotate", "Sharpness", "Solarize", "Brightness",
                 "Color", "Contrast")
 
+    # RandAugment's one per-op method; no public hook exists (listed in layers/compat.py, tested on upgrades)
     def _apply_image_or_video_transform(self, image, transform_id, magnitude, interpolation, fill):
         warps = transform_id in ("ShearX", "ShearY", "Rotate")
         fast = (transform_id in self.FAST_OPS and image.dtype == torch.uint8 and image.ndim == 3

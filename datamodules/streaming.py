@@ -53,6 +53,7 @@ from litdata.streaming.sampler import ChunkedIndex
 from datamodules.images import decode_rgb_bytes
 from datamodules.resumable import SingleThreadedWorkers, run_seeded, sample_seed, world
 from datamodules.prepared import PreparedIndex, prepare, prepared_home
+from layers.compat import forget_restored_position
 
 MANIFEST = "streaming.json"
 #: bumped when what a sample stores changes; older optimized folders are refused, not misread
@@ -330,9 +331,7 @@ class StreamingTrainLoader(StreamedLoader):
         if resume is not None:
             super().load_state_dict(resume)
         else:
-            # LitData keeps a loaded position until an iteration runs to its end, which Lightning never
-            # asks of a loader with a length: an epoch after the resumed one would replay it again
-            self.restore = False
+            forget_restored_position(self)  # else the epoch after a resumed one would replay its position
         self.dataset.epoch = self.trainer.current_epoch if self.trainer is not None else self._iterations
         self._iterations += 1
         return super().__iter__()

@@ -18,6 +18,11 @@ PRIVATE_NAMES = [
      "layers.attention.register_cpu_sdpa_flops: the FLOP counter's formula for CPU attention"),
     ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu_backward",
      "layers.attention.register_cpu_sdpa_flops: the same for its backward"),
+    ("torchvision.transforms.v2", "RandAugment._apply_image_or_video_transform",
+     "datamodules.classification_transforms.FastRandAugment overrides it: RandAugment has no public per-op hook, "
+     "and this one method is where its ops meet the image"),
+    ("litdata", "StreamingDataLoader.restore",
+     "datamodules.streaming (forget_restored_position): drop a resumed position once its epoch has begun"),
 ]
 
 
@@ -62,3 +67,12 @@ def babel_locale_data(locale) -> dict:
     """A babel ``Locale``'s raw CLDR tree (the demo corpus walks its name and pattern sections); babel
     exposes selected properties only."""
     return locale._data
+
+
+def forget_restored_position(loader) -> None:
+    """Make a LitData ``StreamingDataLoader`` start its next epoch from the beginning. LitData keeps a
+    position loaded with ``load_state_dict`` until an iteration runs to its very end, which Lightning
+    never asks of a loader with a length, so the epoch after a resumed one would replay the position;
+    LitData has no public call to drop it."""
+    loader.restore = False
+
