@@ -75,11 +75,16 @@ def _image_names(folder: Path, skipped: SkippedFiles) -> list[str]:
     names = []
     with os.scandir(folder) as entries:
         for entry in entries:
-            if entry.name.startswith("."):
+            name = entry.name
+            if name.startswith("."):
                 continue
-            kind = entry_kind(entry)
+            # the common case first, in two string tests and a type the listing already holds
+            if name.lower().endswith(IMAGE_EXTENSIONS) and entry.is_file():
+                names.append(name)
+                continue
+            kind = entry_kind(entry)  # what it is instead, or why it is left out
             if kind == "image":
-                names.append(entry.name)
+                names.append(name)
             elif kind != "folder":
                 skipped.add(kind, Path(entry.path))
     return sorted(names)
