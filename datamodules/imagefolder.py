@@ -35,7 +35,6 @@ from datamodules.images import (
     collate_skipping,
     entry_kind,
     guarded,
-    is_hidden,
     predict_images,
     read_rgb,
 )
@@ -48,7 +47,8 @@ from datamodules.prepared import StringTable, folder_signature, prepare
 def class_folders(split_dir: Path) -> list[str]:
     """Sorted names of the class sub-folders of a split; hidden folders (``.ipynb_checkpoints``,
     ``.git``) are tool droppings, not classes."""
-    return sorted(d.name for d in split_dir.iterdir() if d.is_dir() and not is_hidden(d))
+    with os.scandir(split_dir) as entries:  # the entries' types come with the listing: no stat per folder
+        return sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir())
 
 
 def _checked_classes(split_dir: Path, classes: Sequence[str] | None) -> tuple[list[str], list[str]]:
