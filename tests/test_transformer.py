@@ -142,7 +142,7 @@ def test_decoder_is_causal_and_ignores_padded_memory():
 @pytest.mark.parametrize("inference", [False, True], ids=["autograd", "inference"])
 @pytest.mark.parametrize("capacity", [64, 2])
 def test_cached_incremental_decoding_equals_the_full_pass(inference, capacity, monkeypatch):
-    # inference: the explicit-attention and oneDNN paths; capacity 2: the cache grows twice
+    # inference: autograd off, as beam search runs it; capacity 2: the cache grows twice
     import heads.seq2seq
 
     monkeypatch.setattr(heads.seq2seq, "INITIAL_CAPACITY", capacity)
