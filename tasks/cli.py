@@ -118,6 +118,12 @@ class SuiteCLI(LightningCLI):
         self.checkpoint_path = None
         if self.checkpoint is not None:
             argv, self.checkpoint_path = with_checkpoint_arguments(argv, self.checkpoint)
+        elif next((a for a in argv if a in SUBCOMMANDS), None) == "fit" and "--print_config" not in argv:
+            # fit resumes the model the recipe and the flags describe, as with `--ckpt_path last`: kept
+            # out of parsing, LightningCLI would overwrite the --model.* flags with the checkpoint's
+            # arguments, and the resume guard could not see (nor refuse) a changed optimizer
+            self.checkpoint_path = option_value(argv, "--ckpt_path")
+            argv = without_option(argv, "--ckpt_path")
         self.argv = argv
         self.default_datamodule = f"{datamodule_class.__module__}.{datamodule_class.__qualname__}"
         self.links = {} if self.checkpoint is not None else dict(getattr(model_class, "DATA_LINKS", {}))
