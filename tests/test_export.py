@@ -57,6 +57,7 @@ def export(task: str, *args: str, capsys) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.slow  # ~26 s, like the other tasks' export cells
 def test_classification_export_matches_pytorch_on_demo_test_images(checkpoint, capsys):
     from datamodules.imagefolder import ImageFolderDataModule
     from tasks.classify import ClassificationTask

@@ -37,6 +37,7 @@ def probe(system_malloc: bool) -> tuple[bool, int]:
     return applied == "True", int(faults)
 
 
+@pytest.mark.slow  # ~10 s of page-fault counting
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_freed_memory_is_reused_instead_of_faulted_in_again():
     applied, faults = probe(system_malloc=False)

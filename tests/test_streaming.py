@@ -99,7 +99,7 @@ def streamed_and_folder_items(datamodule_class, root: Path, split: str, **argume
     return items
 
 
-@pytest.mark.parametrize("fmt", ["coco", "voc"])
+@pytest.mark.parametrize("fmt", ["coco", pytest.param("voc", marks=pytest.mark.slow)])  # voc: ~14 s
 def test_streamed_detection_items_are_the_folder_items(fmt, optimized):
     """Every evaluation item of the demo's validation split, streamed, equals the folder-read item: the
     resized image and every target key (boxes, labels, the ground truth COCOeval / VOC AP read)."""

@@ -158,6 +158,7 @@ def check_sentence_scores(predictions: Path, hyps: list[str], refs: list[str], s
     assert [r[1:] for r in worst[1:]] == expected and [int(r[0]) for r in worst[1:]] == list(range(1, 17))
 
 
+@pytest.mark.slow  # ~20 s; the contract matrix keeps a translate predict cell in the default run
 def test_predict_translates_stdin_to_stdout_and_a_file_to_a_file(fitted, tmp_path):
     cwd, root, last, _ = fitted
     lines = ["Germany", "", "7 kilometers per hour"]
