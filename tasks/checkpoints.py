@@ -56,7 +56,8 @@ def check_checkpoint_file(path: str, model_class: type | None = None) -> dict:
 class LatestCheckpoint(Checkpoint):
     """Writes ``dirpath/last.ckpt`` with the latest training state, whatever the metric.
 
-    Written every ``every_n_train_steps`` optimizer steps (``0``: never mid-epoch), at every
+    Written every ``every_n_train_steps`` optimizer steps (``0``: never mid-epoch; a step that a
+    validation or the epoch's end follows is written after them instead), at every
     validation end and at every training epoch end, whether or not validation ran: a run killed
     before its first validation (a whole epoch, or three in a recipe validating every third)
     can still be resumed exactly. A step is written once. The best checkpoints are a plain
@@ -93,7 +94,8 @@ class LatestCheckpoint(Checkpoint):
         return self.path
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        if self.every_n_train_steps > 0 and trainer.global_step % self.every_n_train_steps == 0:
+        if (self.every_n_train_steps > 0 and trainer.global_step % self.every_n_train_steps == 0
+                and not validation_or_epoch_end_follows(trainer, batch_idx)):  # written after it instead
             self.save(trainer)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -101,3 +103,18 @@ class LatestCheckpoint(Checkpoint):
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.save(trainer)
+
+
+def validation_or_epoch_end_follows(trainer: Trainer, batch_idx: int) -> bool:
+    """Whether the batch ``batch_idx`` just trained is the epoch's last or one that a validation follows.
+
+    A checkpoint written there would resume past that validation: Lightning takes a checkpoint
+    written after a batch's end for one written after the validation that follows, skips it, and
+    the resumed run misses that validation's metrics and, since evaluation draws from the global
+    RNG (a loader's base seed), trains on with other random numbers than the uninterrupted run.
+    So ``last.ckpt`` and a stop signal wait for the validation (``on_validation_end``) or the epoch's end.
+    """
+    if batch_idx + 1 >= trainer.num_training_batches:
+        return True
+    every = trainer.val_check_batch
+    return isinstance(every, int) and every > 0 and (batch_idx + 1) % every == 0 and any(n > 0 for n in trainer.num_val_batches)

@@ -8,10 +8,13 @@ DDP its handler broadcasts from inside the signal handler and only rank 0's sign
 :class:`Preemption` replaces those handlers once training starts (Lightning restores the
 previous ones at teardown). A handler only records the signal; at the next optimizer-step
 boundary (and at an epoch end) every rank joins one all-reduce, so a signal that reached any
-rank stops all of them after the same step. Then ``last.ckpt`` is written (its writes are
-atomic: :mod:`tasks.checkpoint_io`), rank 0 prints where and how to resume, and every rank
-exits with ``128 + signal number``: 143 for SIGTERM, 138 for SIGUSR1 (SLURM's
-``--signal=USR1@<seconds>`` warning before the time limit).
+rank stops all of them after the same step. A signal during the epoch's last step, or a step
+that a validation follows, stops after that validation
+(:func:`tasks.checkpoints.validation_or_epoch_end_follows`), so the resumed run equals the
+uninterrupted one. Then ``last.ckpt`` is written (its writes are atomic:
+:mod:`tasks.checkpoint_io`), rank 0 prints where and how to resume, and every rank exits with
+``128 + signal number``: 143 for SIGTERM, 138 for SIGUSR1 (SLURM's ``--signal=USR1@<seconds>``
+warning before the time limit; give it more seconds than a validation takes).
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from pathlib import Path
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from tasks.checkpoints import validation_or_epoch_end_follows
 
 #: signals that stop `fit` unless the recipe names others (`--preemption.signals`)
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
@@ -70,6 +75,11 @@ class Preemption(Callback):
         # lose the accumulated gradients, which no checkpoint holds
         if trainer.global_step != self._step_checked:
             self._step_checked = trainer.global_step
+            if not validation_or_epoch_end_follows(trainer, batch_idx):
+                self._stop_if_signalled(trainer)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
             self._stop_if_signalled(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -232,6 +232,23 @@ def test_killed_before_the_first_validation_resumes_exactly(task, tmp_path):
     assert_resumed_equals_straight(tmp_path, steps=6)
 
 
+@pytest.mark.slow
+def test_killed_after_a_validation_resumes_from_the_state_after_it(tmp_path):
+    """last.ckpt of the epoch's last step is written after the epoch's validation, not before: resumed from
+    a checkpoint written before it, Lightning would skip that validation and train on with other random
+    numbers (evaluation draws from the global RNG)."""
+    task = "classify"
+    run = [*TINY[task], *SHAPE_OVERRIDE[task], *QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "3",
+           "--trainer.limit_val_batches", "1", "--checkpoint.every_n_train_steps", "1"]
+    run_task(task, "fit", *run, "--trainer.default_root_dir", "straight", cwd=tmp_path)
+    killed = run_task(task, "fit", *run, "--trainer.default_root_dir", "resumed",
+                      "--trainer.callbacks+=tests.callbacks.KillAtStep", "--trainer.callbacks.init_args.step", "3",
+                      cwd=tmp_path, check=False)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    run_task(task, "fit", *run, "--trainer.default_root_dir", "resumed", "--ckpt_path", "last", cwd=tmp_path)
+    assert_resumed_equals_straight(tmp_path, steps=6)
+
+
 def assert_resumed_equals_straight(cwd: Path, steps: int) -> None:
     """``cwd/resumed``'s last.ckpt equals ``cwd/straight``'s: step, weights and optimizer state."""
     straight = torch.load(cwd / "straight/checkpoints/last.ckpt", weights_only=True)
@@ -371,19 +388,20 @@ def test_sync_batchnorm_recipe_evaluates_on_cpu(fitted, tmp_path):
 
 
 # -- preemption: SIGTERM mid-epoch stops with last.ckpt and exit code 143; the resume is exact ----------
-def _stopped_and_resumed(task: str, cwd: Path, run: list[str], stop: list[str], timeout: float = 600) -> None:
+def _stopped_and_resumed(task: str, cwd: Path, run: list[str], stop: list[str], timeout: float = 600,
+                         stopped_after: int = 2) -> None:
     run_task(task, "fit", *run, "--trainer.default_root_dir", "straight", cwd=cwd, timeout=timeout)
     stopped = run_task(task, "fit", *run, *stop, "--trainer.default_root_dir", "resumed", cwd=cwd, check=False,
                        timeout=timeout)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
-    assert "stopped by SIGTERM after global step 2 (epoch 0); exit code 143" in stopped.stderr
+    assert f"stopped by SIGTERM after global step {stopped_after} (epoch 0); exit code 143" in stopped.stderr
     assert f"last checkpoint:  {cwd / 'resumed/checkpoints/last.ckpt'}" in stopped.stderr
     resume = stopped.stderr.split("resume with:")[1].splitlines()[0].split()
     assert resume[:3] == ["python", "-m", f"tasks.{task}"] and resume[-4:] == [
         "--trainer.default_root_dir", str(cwd / "resumed"), "--ckpt_path", "last"]
     assert not (cwd / "resumed" / "fit.lock").exists()  # released on the way out
     interrupted = torch.load(cwd / "resumed/checkpoints/last.ckpt", weights_only=True)
-    assert interrupted["global_step"] == 2 and interrupted["epoch"] == 0  # mid-epoch, before any validation
+    assert interrupted["global_step"] == stopped_after and interrupted["epoch"] == 0
     run_task(task, "fit", *run, "--trainer.default_root_dir", "resumed", "--ckpt_path", "last", cwd=cwd,
              timeout=timeout)
     assert_resumed_equals_straight(cwd, steps=6)
@@ -399,6 +417,22 @@ SIGTERM_AT_STEP_1 = ["--trainer.callbacks+=tests.callbacks.SignalAtStep", "--tra
 def test_sigterm_mid_epoch_exits_143_with_last_ckpt_and_resumes_exactly(task, tmp_path):
     _stopped_and_resumed(task, tmp_path, [*TINY[task], *SHAPE_OVERRIDE[task], *QUIET, *PREEMPTED_RUN],
                          SIGTERM_AT_STEP_1)
+
+
+@pytest.mark.slow
+def test_sigterm_in_the_last_step_of_an_epoch_stops_after_its_validation_and_resumes_exactly(tmp_path):
+    """A checkpoint written after the epoch's last step but before its validation would resume past that
+    validation (Lightning skips it): its metrics would be lost and the RNG that evaluation draws from would
+    differ. The stop waits for the validation, so the resumed run equals the uninterrupted one."""
+    assert QUIET[:2] == ["--trainer.logger", "false"]
+    run = [*TINY["classify"], *SHAPE_OVERRIDE["classify"], "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+           *QUIET[2:], *PREEMPTED_RUN]
+    _stopped_and_resumed("classify", tmp_path, run, [*SIGTERM_AT_STEP_1[:1], "--trainer.callbacks.init_args.step", "2"],
+                         stopped_after=3)
+    stopped_log = next((tmp_path / "resumed").rglob("version_0/metrics.csv")).read_text()
+    assert "val/top1" in stopped_log.splitlines()[0]  # epoch 0's validation ran before the stop
+    rows = list(csv.DictReader(stopped_log.splitlines()))
+    assert [r["step"] for r in rows if r.get("val/top1")] == ["2"]
 
 
 @pytest.mark.slow
