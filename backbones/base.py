@@ -22,6 +22,9 @@ MLP-Mixer) have no numbered stages: asking them for one is an error naming them.
 
 ``size_multiple`` says which input sizes a built backbone takes: any height and width
 that are multiples of it, or (``None``) only the size it was built for.
+
+``repeated_blocks`` names the block classes the network repeats (MobileViT's and ViT's
+transformer layers, ConvMixer's and MLP-Mixer's blocks), the units of regional compilation.
 """
 from __future__ import annotations
 
@@ -56,6 +59,9 @@ class Backbone(nn.Module):
     stage_info: tuple[StageInfo, ...] = ()
     #: why the backbone takes only the input size it was built for (when :attr:`size_multiple` is ``None``)
     fixed_size_reason: str = "it is not known to take other input sizes"
+    #: the block classes the network repeats: ``--model.compile regional`` compiles each instance of
+    #: them and runs the rest eagerly (see :mod:`layers.compile`)
+    repeated_blocks: tuple[type[nn.Module], ...] = ()
 
     @property
     def size_multiple(self) -> int | None:

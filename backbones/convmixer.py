@@ -61,6 +61,8 @@ class ConvMixer(SingleScaleBackbone):
     (B, dim), the global average the reference classifier consumes.
     """
 
+    repeated_blocks = (ConvMixerBlock,)  # the units of --model.compile regional
+
     @property
     def size_multiple(self) -> int:
         """Convolutions and poolings only: any multiple of the deepest output stride."""

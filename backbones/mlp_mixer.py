@@ -76,6 +76,8 @@ class MlpMixer(SingleScaleBackbone):
     ``depth`` overrides the size's number of blocks.
     """
 
+    repeated_blocks = (MixerBlock,)  # the units of --model.compile regional
+
     fixed_size_reason = "MLP-Mixer's token-mixing MLPs are sized for one grid"
 
     def __init__(

@@ -113,6 +113,8 @@ class MobileViT(StagedBackbone):
     ``attention``: any variant of ``layers.attention`` (paper: "mha", 4 heads).
     """
 
+    repeated_blocks = (TransformerBlock,)  # the units of --model.compile regional
+
     def __init__(
         self,
         size: str = "xs",

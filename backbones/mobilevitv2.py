@@ -130,6 +130,8 @@ class MobileViTv2(StagedBackbone):
     the paper's model is the default, "separable".
     """
 
+    repeated_blocks = (TransformerBlock,)  # the units of --model.compile regional
+
     def __init__(
         self,
         width: float = 1.0,

@@ -72,6 +72,8 @@ class TransformerEncoder(nn.Module):
         max_positions: longest input; learned_positions: a learned table instead of sinusoids.
     """
 
+    repeated_blocks = (EncoderLayer,)  # the units of --model.compile regional
+
     def __init__(self, vocab_size: int, dim: int = 512, depth: int = 6, num_heads: int = 8, ffn_dim: int = 2048,
                  dropout: float = 0.1, attention: str = "mha", attention_kwargs: dict | None = None,
                  attention_dropout: float = 0.0, activation_dropout: float = 0.0, pre_norm: bool = False,

@@ -116,6 +116,8 @@ class ViT(SingleScaleBackbone):
     ``(H/p)*(W/p) + 1``). ``depth`` overrides the size's number of blocks.
     """
 
+    repeated_blocks = (TransformerBlock,)  # the units of --model.compile regional
+
     fixed_size_reason = "ViT's position embeddings are built for one grid"
 
     def __init__(

@@ -35,12 +35,14 @@ For the three networks the MobileViTv2 paper gives V100 throughputs for (MobileV
 measured too (eval mode, ``torch.no_grad``, same batch, same autocast) and the paper's number
 is printed beside it.
 
-Compilation is the task's own ``--model.compile true`` (``TaskModule.configure_model`` compiles each
-sub-network in place: backbone, head; encoder, decoder); a peer is compiled whole. ``cudnn.benchmark`` is on
-(``--no-cudnn-benchmark`` turns it off).
+Compilation is the task's own ``--model.compile`` (``TaskModule.configure_model``, :mod:`layers.compile`):
+``network`` compiles each sub-network whole (backbone, head; encoder, decoder), ``regional`` only the
+blocks each network repeats (its ``repeated_blocks``: transformer layers, mixer blocks), the rest eager.
+A peer is compiled whole. The warm-up column's seconds include compilation: for compiled rows they are
+the compile time a user waits through. ``cudnn.benchmark`` is on (``--no-cudnn-benchmark`` turns it off).
 
-Time budget: a default run plans 40 eager and 40 compiled variants (peers at the paper recipes'
-sizes only; ``--peers all`` adds the demo sizes) -- more than fits in ten minutes when each
+Time budget: a default run plans 40 eager, 40 network-compiled and 28 regionally compiled variants
+(peers at the paper recipes' sizes only; ``--peers all`` adds the demo sizes) -- more than fits in ten minutes when each
 compilation takes ~30-60 s. So each run stops timing after ``--max-run-seconds`` (the ``steps``
 column says how many were timed), and runs go in order of importance: eager at the recipe's own
 settings (bf16-mixed, the recipe's channels_last), eager with one setting changed, compiled at
@@ -52,7 +54,7 @@ suite leaves a valid table.
 
 ``--tiny``: the same networks on CPU at toy sizes (2 images of 32 px, 2 sentences of 8 tokens,
 at most 2,000 words of vocabulary), 1 warm-up + 2 timed steps, 1 torch thread, each recipe in
-its own layout (``--channels-last recipe``), no compilation unless ``--compile off on``;
+its own layout (``--channels-last recipe``), no compilation unless ``--compile off network regional``;
 16-mixed rows are skipped with a note (fp16 autocast with GradScaler is a GPU setting). It
 exists so that the suite cannot rot (``tests/test_gpu_suite.py``); its numbers mean nothing.
 
@@ -91,6 +93,7 @@ sys.path.insert(0, str(REPO))
 TASKS = ("classify", "detect", "segment", "translate")
 RECIPE_NAMES = ("demo", "paper")
 PRECISIONS = ("bf16-mixed", "16-mixed")
+COMPILES = ("off", "network", "regional")
 DEFAULT_OUTPUT = REPO / "benchmarks" / "gpu_results"
 
 MEASURED = ("training step throughput of the network: forward, loss, backward, gradient clipping as the recipe, "
@@ -363,7 +366,7 @@ class Run:
     kind: str                 # "ours" | "peer"
     precision: str
     channels_last: bool
-    compile: bool
+    compile: str              # "off" | "network" | "regional" (--model.compile's values; peers: off | network)
 
     @property
     def network(self) -> str:
@@ -376,7 +379,7 @@ class Run:
 
     def priority(self) -> tuple:
         paper = self.recipe.name == "paper"
-        if not self.compile:
+        if self.compile == "off":
             tier = {0: 0, 1: 1, 2: 3}[self.deviations]
         elif self.deviations == 0:
             tier = 2 if paper else 4
@@ -388,7 +391,7 @@ class Run:
 
     def order(self) -> tuple:
         return (TASKS.index(self.recipe.task), RECIPE_NAMES.index(self.recipe.name),
-                PRECISIONS.index(self.precision) if self.precision in PRECISIONS else 9, self.compile,
+                PRECISIONS.index(self.precision) if self.precision in PRECISIONS else 9, COMPILES.index(self.compile),
                 self.channels_last, self.kind != "ours")
 
 
@@ -410,9 +413,9 @@ def skip_reason(run: Run, device: torch.device, args) -> str | None:
         return "16-mixed skipped on CPU (fp16 autocast with GradScaler is a GPU setting)"
     if run.precision == "bf16-mixed" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return "this GPU has no bf16"
-    if run.compile and device.type == "cuda" and importlib.util.find_spec("triton") is None:
+    if run.compile != "off" and device.type == "cuda" and importlib.util.find_spec("triton") is None:
         return "torch.compile on CUDA needs triton (not installed)"
-    if run.compile and device.type == "cpu" and not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+    if run.compile != "off" and device.type == "cpu" and not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         return "torch.compile on CPU needs a C++ compiler"
     if run.kind == "peer" and run.recipe.task == "classify" and importlib.util.find_spec("timm") is None:
         return "timm not installed (peer)"
@@ -438,12 +441,12 @@ def measure(run: Run, args, device: torch.device) -> dict:
         model = build_network(recipe, run.kind).to(device)
         row["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 3)
         if run.kind == "ours":  # the task's own set-up: memory format of weights and inputs, compilation
-            model.channels_last, model.compile_networks = run.channels_last, run.compile
+            model.channels_last, model.compile_mode = run.channels_last, None if run.compile == "off" else run.compile
             model.configure_model()
         else:
             if run.channels_last:
                 model = model.to(memory_format=torch.channels_last)
-            if run.compile:
+            if run.compile != "off":
                 model.compile()
         optimizer = make_optimizer(model, recipe)
         inputs, target = make_batch(recipe, device)
@@ -468,7 +471,7 @@ def measure(run: Run, args, device: torch.device) -> dict:
         model.train()
         losses = []
         # compiled SSDLite recompiles once, on its second call (the anchor cache is filled on the first)
-        warmup = max(args.warmup, 2) if run.compile else args.warmup
+        warmup = max(args.warmup, 2) if run.compile != "off" else args.warmup
         sync(device)
         start = time.perf_counter()
         for _ in range(warmup):
@@ -499,7 +502,7 @@ def measure(run: Run, args, device: torch.device) -> dict:
         if not all(math.isfinite(v) for v in (row["loss_first"], row["loss_last"])):
             row["note"] = "; ".join(filter(None, [row["note"], "non-finite loss"]))
 
-        if recipe.paper_v100 is not None and (not run.compile or args.infer_compiled):
+        if recipe.paper_v100 is not None and (run.compile == "off" or args.infer_compiled):
             row["infer_per_s"] = infer_rate(model, inputs, dtype, args, device) * recipe.batch
         elif recipe.paper_v100 is not None:
             row["note"] = "; ".join(filter(None, [row["note"], "inference: eager rows only (--infer-compiled)"]))
@@ -553,9 +556,11 @@ def fmt(value, digits: int = 3) -> str:
 def peer_ratio(row: dict, rows: list[dict]) -> float | None:
     if row["kind"] != "ours" or row["status"] != "ok":
         return None
+    # the peers compile whole: our regional rows are compared with the peer's compiled row
+    compiled = "off" if row["compile"] == "off" else "network"
     for other in rows:
-        if (other["kind"] == "peer" and other["status"] == "ok"
-                and all(other[k] == row[k] for k in ("task", "recipe", "precision", "channels_last", "compile"))):
+        if (other["kind"] == "peer" and other["status"] == "ok" and other["compile"] == compiled
+                and all(other[k] == row[k] for k in ("task", "recipe", "precision", "channels_last"))):
             return row["train_per_s"] / other["train_per_s"]
     return None
 
@@ -593,7 +598,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                                                                                            row["note"])
         lines.append(
             f"| {row['task']} | {row['recipe']} | {row['network']} | {fmt(row['params_m'])} | {row['input']} "
-            f"| {row['precision']} | {'on' if row['channels_last'] else 'off'} | {'on' if row['compile'] else 'off'} "
+            f"| {row['precision']} | {'on' if row['channels_last'] else 'off'} | {row['compile']} "
             f"| {row['steps'] if ok else '-'} | {fmt(row['train_per_s']) + ' ' + unit if ok else '-'} "
             f"| {fmt(row['peak_mem_mb'])} "
             f"| {loss} "
@@ -655,10 +660,6 @@ def check_env() -> int:
 # --------------------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------------------
-def on_off(values: list[str]) -> list[bool]:
-    return sorted({v == "on" for v in values})
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: toy sizes, 1 warm-up + 2 timed steps")
@@ -669,8 +670,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--channels-last", nargs="+", choices=["off", "on", "recipe"], default=None,
                    help="image tasks only (translation runs without); 'recipe': the recipe's own setting "
                         "(on for the paper recipes, off for the demos). Default: off on (GPU), recipe (--tiny)")
-    p.add_argument("--compile", nargs="+", choices=["off", "on"], default=None,
-                   help="default: off on (GPU), off (--tiny)")
+    p.add_argument("--compile", nargs="+", choices=["off", "on", *COMPILES[1:]], default=None,
+                   help="--model.compile's values ('on' = network: each sub-network whole; regional: the repeated "
+                        "blocks; peers are compiled whole); default: off network regional (GPU), off (--tiny)")
     p.add_argument("--peers", choices=["paper", "all", "none"], default="paper",
                    help="run the peers at the paper recipes' sizes (default), at every recipe's, or not at all")
     p.add_argument("--steps", type=int, default=None, help="timed training steps per run (default 200; --tiny 2)")
@@ -688,7 +690,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=None,
                    help=f"default {DEFAULT_OUTPUT.relative_to(REPO)}/ (--tiny: its tiny/ folder)")
     args = p.parse_args(argv)
-    gpu_defaults = dict(channels_last=["off", "on"], compile=["off", "on"], steps=200, warmup=10,
+    gpu_defaults = dict(channels_last=["off", "on"], compile=list(COMPILES), steps=200, warmup=10,
                         max_run_seconds=4.0, budget_s=420.0, infer_steps=50, output=DEFAULT_OUTPUT)
     tiny_defaults = dict(channels_last=["recipe"], compile=["off"], steps=2, warmup=1, max_run_seconds=0.0,
                          budget_s=0.0, infer_steps=1,
@@ -697,6 +699,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.infer_warmup = 1 if args.tiny else 5
+    args.compile = sorted({"network" if v == "on" else v for v in args.compile}, key=COMPILES.index)
     return args
 
 
@@ -715,9 +718,10 @@ def plan(args) -> list[Run]:
             layouts = [False]
         for precision in args.precisions:
             for channels_last in layouts:
-                for compiled in on_off(args.compile):
+                for compiled in args.compile:
                     for kind in kinds:
-                        runs.append(Run(recipe, kind, precision, channels_last, compiled))
+                        if not (kind == "peer" and compiled == "regional"):
+                            runs.append(Run(recipe, kind, precision, channels_last, compiled))
     return runs
 
 
@@ -758,18 +762,18 @@ def main(argv=None) -> int:
     compile_estimate = 60.0
     for i, run in enumerate(sorted(runs, key=Run.priority), 1):
         elapsed = time.perf_counter() - start
-        estimate = 3.0 + (args.max_run_seconds or 0) * 1.5 + (compile_estimate if run.compile else 0)
+        estimate = 3.0 + (args.max_run_seconds or 0) * 1.5 + (compile_estimate if run.compile != "off" else 0)
         if args.budget_s and elapsed + estimate > args.budget_s:
             row = base_row(run)
             row.update(status="skipped", note=f"time budget (--budget-s {args.budget_s:g})")
         else:
             row = measure(run, args, device)
             release(device)
-            if run.compile and row["warmup_s"]:
+            if run.compile != "off" and row["warmup_s"]:
                 compile_estimate = max(compile_estimate * 0.5, row["warmup_s"])
         rows[id(run)] = row
         what = f"{run.recipe.task} {run.recipe.name} {run.network} {run.precision} " \
-               f"cl={'on' if run.channels_last else 'off'} compile={'on' if run.compile else 'off'}"
+               f"cl={'on' if run.channels_last else 'off'} compile={run.compile}"
         if row["status"] == "ok":
             result = (f"{fmt(row['train_per_s'])} {row['unit']} ({row['steps']} steps), peak "
                       f"{fmt(row['peak_mem_mb'])} MB, loss {row['loss_first']:.4g} -> {row['loss_last']:.4g}"

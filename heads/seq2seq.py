@@ -157,6 +157,8 @@ class TransformerDecoder(nn.Module):
             gives the decoder its own. The output layer is always tied to the decoder's table.
     """
 
+    repeated_blocks = (DecoderLayer,)  # the units of --model.compile regional
+
     def __init__(self, vocab_size: int, dim: int = 512, depth: int = 6, num_heads: int = 8, ffn_dim: int = 2048,
                  dropout: float = 0.1, attention_dropout: float = 0.0, activation_dropout: float = 0.0,
                  pre_norm: bool = False, max_positions: int = 1024, learned_positions: bool = False, pad_id: int = 0,

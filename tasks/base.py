@@ -17,9 +17,11 @@ import torch
 import torch.nn as nn
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torchmetrics import MeanMetric
 
+from layers.compile import compile_mode, compile_networks, cpu_compile_notice
+from tasks.compile_report import CompileReport
 from tasks.analysis import WorstExamples, lowest, model_cost, move_to, read_table
 from tasks.optim import param_groups
 
@@ -84,7 +86,10 @@ class TaskModule(LightningModule):
             ``total_steps`` attribute left at ``None`` is filled from the trainer.
         no_weight_decay_on_norm_bias: exempt norm weights, biases and 1-d params from decay.
         channels_last: keep weights and images in NHWC (faster convs on GPU with AMP).
-        compile: ``torch.compile`` each sub-network in place (state-dict keys unchanged).
+        compile: ``torch.compile`` in place, state-dict keys unchanged (:mod:`layers.compile`):
+            ``"regional"`` compiles each block the networks repeat (transformer layers, mixer
+            blocks) and runs the rest eagerly; ``true`` or ``"network"`` compiles each sub-network
+            whole. The first step that meets a new graph pays its compilation; it is logged.
         on_nonfinite_loss: ``"raise"`` stops the run at a NaN/inf loss, naming the step and
             batch, before the optimizer step can write non-finite weights; ``"skip"`` skips that
             step on every rank and counts it (``train/skipped_nonfinite_steps``).
@@ -98,7 +103,7 @@ class TaskModule(LightningModule):
 
     def __init__(self, optimizer: OptimizerCallable = torch.optim.AdamW,
                  scheduler: LRSchedulerCallable | None = None, no_weight_decay_on_norm_bias: bool = True,
-                 channels_last: bool = False, compile: bool = False,
+                 channels_last: bool = False, compile: bool | Literal["network", "regional"] = False,
                  on_nonfinite_loss: Literal["raise", "skip"] = "raise", num_worst_examples: int = 16):
         super().__init__()
         self._save_constructor_arguments()
@@ -106,7 +111,7 @@ class TaskModule(LightningModule):
         self.scheduler = SharedFactory(scheduler) if scheduler is not None else None
         self.no_weight_decay_on_norm_bias = no_weight_decay_on_norm_bias
         self.channels_last = channels_last
-        self.compile_networks = compile
+        self.compile_mode = compile_mode(compile)
         self.on_nonfinite_loss = on_nonfinite_loss
         self.skipped_nonfinite_steps = 0
         self.skipped_empty_batches = 0
@@ -151,11 +156,22 @@ class TaskModule(LightningModule):
     def configure_model(self) -> None:
         if self.channels_last:
             self.to(memory_format=torch.channels_last)
-        if self.compile_networks and not getattr(self, "_compiled", False):
-            for child in self.children():
-                if any(True for _ in child.parameters()):
-                    child.compile()
+        if self.compile_mode and not getattr(self, "_compiled", False):
+            networks = [child for child in self.children() if any(True for _ in child.parameters())]
+            rank_zero_info(compile_networks(networks, self.compile_mode))
+            if self.training_device().type == "cpu":
+                rank_zero_warn(cpu_compile_notice(self.compile_mode))
             self._compiled = True
+
+    def training_device(self) -> torch.device:
+        """The device the run computes on; in ``configure_model`` the weights may not be there yet."""
+        try:
+            return self.trainer.strategy.root_device
+        except RuntimeError:  # not attached to a Trainer
+            return self.device
+
+    def configure_callbacks(self) -> list:
+        return [CompileReport()] if self.compile_mode else []
 
     def to_memory_format(self, images: torch.Tensor) -> torch.Tensor:
         return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images

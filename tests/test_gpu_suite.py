@@ -39,7 +39,7 @@ def test_tiny_suite_writes_a_row_per_task_and_variant(tmp_path):
         for recipe, channels_last in (("demo", False), ("paper", task != "translate")):
             for precision in ("bf16-mixed", "16-mixed"):
                 for kind in ("ours", "peer") if (task in PEERS and recipe == "paper") else ("ours",):
-                    expected.add((task, recipe, kind, precision, channels_last, False))
+                    expected.add((task, recipe, kind, precision, channels_last, "off"))
     keys = [(r["task"], r["recipe"], r["kind"], r["precision"], r["channels_last"], r["compile"]) for r in rows]
     assert len(keys) == len(set(keys)), "duplicate rows"
     assert set(keys) == expected
@@ -79,3 +79,18 @@ def test_check_env_reports_optional_packages(tmp_path):
     assert "missing optional:" in out
     for name in ("torch", "torchvision", "timm", "triton"):
         assert name in out
+
+
+@pytest.mark.slow  # inductor builds C++ on the CPU: about a minute per compiled network
+def test_tiny_suite_times_regional_and_network_compilation(tmp_path):
+    """The compiled variants run through the task's own --model.compile: both modes train, and the
+    warm-up seconds (compilation included) are recorded."""
+    run_suite("--tiny", "--tasks", "classify", "--recipes", "demo", "--precisions", "bf16-mixed",
+              "--compile", "regional", "network", "--output", str(tmp_path / "out"), cwd=tmp_path)
+    rows = json.loads((tmp_path / "out" / "gpu_suite.json").read_text())["rows"]
+    assert sorted(r["compile"] for r in rows) == ["network", "regional"]
+    for row in rows:
+        assert row["status"] == "ok", row["note"]
+        assert row["warmup_steps"] == 2 and row["warmup_s"] > 0 and math.isfinite(row["loss_last"])
+    table = (tmp_path / "out" / "gpu_suite.md").read_text()
+    assert "| regional |" in table and "| network |" in table
