@@ -4,12 +4,13 @@
 #   bash scripts/gpu_check.sh cli   OUT    # every task's real CLI on the GPU (benchmarks/gpu_cli.py), ~6 min
 #   bash scripts/gpu_check.sh speed OUT    # gpu_suite.py (7 min budget) + the steady compiled step
 #   bash scripts/gpu_check.sh compile OUT  # bench_compile.py: compile cost through the CLI, 4 tasks
+#   bash scripts/gpu_check.sh fit   OUT    # gpu_fit.py: paper recipes' fit throughput, data loading included
 #
 # On a machine with PyTorch but without the suite's other requirements, first run
 # `bash scripts/device_wheels.sh .whl` where PyPI is reachable and carry .whl along: this script
 # installs what it finds there into /tmp/site. Results go to OUT (default benchmarks/gpu_results).
 set -uo pipefail
-stage=${1:?cli, speed or compile}
+stage=${1:?cli, speed, compile or fit}
 out=${2:-benchmarks/gpu_results}
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -32,5 +33,9 @@ case "$stage" in
   compile)
     python3 benchmarks/bench_compile.py --accelerator gpu --precision bf16-mixed --max-epochs 1 \
       --tasks classify detect segment translate --output "$out/results_compile.md" 2>&1 | tee "$out/compile.log" ;;
-  *) echo "unknown stage $stage: cli, speed or compile" >&2; exit 2 ;;
+  fit)
+    python3 benchmarks/gpu_fit.py --output "$out" 2>&1 | tee "$out/gpu_fit.log"
+    python3 benchmarks/gpu_fit.py --tasks classify --output "$out/regional" --extra --model.compile regional 2>&1 \
+      | tee -a "$out/gpu_fit.log" ;;
+  *) echo "unknown stage $stage: cli, speed, compile or fit" >&2; exit 2 ;;
 esac
