@@ -186,12 +186,17 @@ class TaskModule(LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Lightning's mixed-precision plugin refuses to clip for a fused optimizer (the demo recipes'
         Adam/AdamW), which unscales fp16 gradients inside its step. Under bf16 there is no scaler and
-        nothing to unscale, so clip exactly as in full precision; fp16 keeps Lightning's error."""
+        nothing to unscale, so clip exactly as in full precision. Under fp16 the gradients are
+        unscaled first (``GradScaler.unscale_``), which tells the scaler's step that the fused
+        optimizer must not unscale them again, and then clipped."""
         from lightning.pytorch.plugins.precision import MixedPrecision
         from lightning.pytorch.utilities import GradClipAlgorithmType
 
         plugin = self.trainer.precision_plugin
-        if gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+        fused = bool(optimizer.defaults.get("fused"))
+        if gradient_clip_val and isinstance(plugin, MixedPrecision) and (plugin.scaler is None or fused):
+            if plugin.scaler is not None:  # a fused step would unscale inside itself, after our clipping
+                plugin.scaler.unscale_(optimizer)
             # the plugin's own clipping, without the fused-optimizer refusal of its clip_gradients
             if GradClipAlgorithmType(gradient_clip_algorithm or "norm") == GradClipAlgorithmType.VALUE:
                 plugin.clip_grad_by_value(optimizer, gradient_clip_val)

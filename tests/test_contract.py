@@ -317,8 +317,7 @@ def test_bf16_mixed_fit_has_finite_decreasing_loss(task, run_cli, tmp_path):
 
 def test_bf16_clips_the_gradients_of_a_fused_optimizer():
     """The demo recipes' optimizers are fused; Lightning refuses to clip for those under any mixed
-    precision. Under bf16 (no grad scaler) the task clips them as in full precision; a grad scaler
-    (fp16) still refuses, since a fused step unscales only inside itself."""
+    precision. Under bf16 (no grad scaler) the task clips them as in full precision."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -336,10 +335,40 @@ def test_bf16_clips_the_gradients_of_a_fused_optimizer():
     task.configure_gradient_clipping(optimizer, 0.01, "value")
     assert all(p.grad.abs().max() <= 0.01 for p in task.parameters())
 
-    fp16 = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    task.trainer = Trainer(plugins=[fp16], accelerator="cpu", logger=False)
-    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
-        task.configure_gradient_clipping(optimizer, 0.5, "norm")
+
+
+def test_fp16_unscales_then_clips_the_gradients_of_a_fused_optimizer():
+    """Under fp16 a grad scaler multiplies the loss: the task unscales the gradients before clipping them,
+    and the scaler's step then leaves the fused optimizer's own unscaling out. The update equals an
+    unfused AdamW step on the unscaled, clipped gradients."""
+    import copy
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from backbones import MobileViTv2
+    from tasks.classify import ClassificationTask
+
+    torch.manual_seed(0)
+    task = ClassificationTask(MobileViTv2(width=0.25), class_names=["a", "b", "c"])
+    reference = copy.deepcopy(task)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))  # the scale is made on first use
+    task.trainer = Trainer(plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], accelerator="cpu", logger=False)
+    optimizer = torch.optim.AdamW(task.parameters(), lr=0.01, fused=True)
+    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for p, q in zip(task.parameters(), reference.parameters()):
+        q.grad = torch.randn_like(q)
+        p.grad = q.grad * 1024.0  # what backward of the scaled loss gives
+    task.configure_gradient_clipping(optimizer, 0.5, "norm")
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in task.parameters()]))
+    assert total == pytest.approx(0.5, rel=1e-4)
+    scaler.step(optimizer)
+    scaler.update()
+    torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 0.5)
+    expected_optimizer.step()
+    for p, q in zip(task.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 # -- checkpoint files and resume requests that cannot work (shared CLI: one task is enough) -------------
