@@ -109,8 +109,8 @@ def cpu_compile_notice(mode: CompileMode) -> str:
     return (
         f"compiling on the CPU ({mode}): inductor writes and builds C++ for every graph before the first "
         f"step that uses it, again for evaluation mode and for new input shapes. On 2 cores the "
-        f"classification demo's one-epoch fit took 17 s eager, 163 s regional and 218 s network with an "
-        f"empty cache (50 s and 33 s once the cache held the graphs), while a training step ran 1.02-1.06x "
+        f"classification demo's one-epoch fit took 13 s eager, 146 s regional and 198 s network with an "
+        f"empty cache (38 s and 27 s once the cache held the graphs), while a training step ran 1.02-1.06x "
         f"eager's speed regional and 0.9x network (benchmarks/RESULTS.md, 'Compile'). Built code is kept in "
         f"{inductor_cache_dir()} for later runs. Compile is meant for GPUs; on a CPU leave --model.compile false."
     )
