@@ -445,7 +445,10 @@ class TranslationDataModule(StreamedSource, LightningDataModule):
         prepared_dir: str | None = None,
     ):
         super().__init__()
-        self.save_hyperparameters()
+        # Not given to the logger: ``vocab_size`` here is an upper bound, the model's is what the corpus
+        # filled, and Lightning refuses to log two different values under one key. The logger gets the
+        # whole resolved config from the CLI instead (``suite_config.yaml``), the checkpoint these.
+        self.save_hyperparameters(logger=False)
         if predict_batch_size < 1:
             raise ValueError(f"predict_batch_size must be positive, got {predict_batch_size}")
         self.src_lang, self.tgt_lang = src_lang, tgt_lang

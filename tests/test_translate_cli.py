@@ -56,6 +56,19 @@ def test_fit_checkpoints_on_bleu_and_logs_the_linked_vocabulary(fitted):
     assert 0 < hparams["vocab_size"] <= 500  # linked from the sentencepiece model
 
 
+@pytest.mark.slow  # a second fit; the default logger (wandb) is the one that refused
+def test_a_corpus_smaller_than_the_vocabulary_asked_for_trains_with_the_vocabulary_it_fills(tmp_path, demo_cache):
+    """``data.vocab_size`` is an upper bound: the model gets the pieces the corpus filled. Lightning used to
+    refuse to log the datamodule's and the model's different ``vocab_size`` and stopped the fit."""
+    args = [a if a != "500" else "30000" for a in TINY]
+    run_in(tmp_path, "fit", *args, "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1",
+           "--trainer.val_check_interval", "2")
+    checkpoint = torch.load(next((tmp_path / "runs" / "translate").rglob("last.ckpt")), map_location="cpu",
+                            weights_only=False)
+    assert checkpoint["datamodule_hyper_parameters"]["vocab_size"] == 30000  # what was asked for
+    assert 0 < checkpoint["hyper_parameters"]["vocab_size"] < 30000  # what the demo corpus filled
+
+
 def test_test_writes_hypotheses_in_source_order_and_the_scores_they_get(fitted, demo_cache):
     cwd, root, last, _ = fitted
     run_in(cwd, "test", *TINY, "--ckpt_path", str(last))
