@@ -14,6 +14,8 @@ PRIVATE_NAMES = [
      "tasks.base: is LightningCLI building this model (save its resolved config) or plain Python"),
     ("torch.utils._python_dispatch", "is_in_torch_dispatch_mode",
      "layers.cpu_speedups: the CPU speed paths step aside for the FLOP counter and other dispatch modes"),
+    ("torch.utils._python_dispatch", "TorchDispatchMode",
+     "tests/test_fusion.py: an op log that shows which aten ops a block runs (in-place activations)"),
     ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu",
      "layers.attention.register_cpu_sdpa_flops: the FLOP counter's formula for CPU attention"),
     ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu_backward",
@@ -45,6 +47,14 @@ def in_dispatch_mode() -> bool:
     from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
     return is_in_torch_dispatch_mode()
+
+
+def torch_dispatch_mode() -> type:
+    """The base class of an op-intercepting mode (``__torch_dispatch__``). torch documents it under this
+    private module path and exports it nowhere else."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
 
 
 def cpu_sdpa_kernels() -> tuple:

@@ -5,11 +5,11 @@ ops (FLOP counter) must count the same."""
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from backbones import create_backbone
 from layers.attention import register_cpu_sdpa_flops
+from layers.compat import torch_dispatch_mode
 from layers.conv import ACTIVATIONS, ConvNormAct
 from layers.cpu_speedups import cpu_inference
 
@@ -66,7 +66,7 @@ def test_autograd_and_flop_counting_see_the_plain_ops():
     assert counts[0] == counts[1] > 0
 
 
-class OpLog(TorchDispatchMode):
+class OpLog(torch_dispatch_mode()):
     """Records the name of every aten op that runs under it."""
 
     def __init__(self):
