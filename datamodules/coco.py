@@ -52,6 +52,7 @@ from datamodules.detection_common import (DetectionDataModule, ImageFiles,  # no
                                           stack_images)
 from datamodules.images import IMAGENET_MEAN, IMAGENET_STD, OnBadImage, guarded, read_rgb
 from datamodules.prepared import StringTable, file_signature, prepare
+from layers.machine import AUTO, NumWorkers
 
 DEMO_VERSION = 1
 
@@ -354,7 +355,7 @@ class CocoDataModule(DetectionDataModule):
                  augmentation: str = "torchvision_ssd", zoom_out_max: float | None = None, iou_crop: bool = True,
                  hflip: float = 0.5,
                  mean: tuple[float, float, float] = IMAGENET_MEAN, std: tuple[float, float, float] = IMAGENET_STD,
-                 batch_size: int = 32, eval_batch_size: int | None = None, num_workers: int = 4,
+                 batch_size: int = 32, eval_batch_size: int | None = None, num_workers: NumWorkers = AUTO,
                  pin_memory: bool = True, persistent_workers: bool = True, on_bad_image: OnBadImage = "fail",
                  streaming_root: str | None = None, prepared_dir: str | None = None):
         super().__init__()

@@ -42,6 +42,7 @@ from datamodules.classification_transforms import MixCollate, train_transform
 from datamodules.input_spec import InputSpec, classification_spec
 from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
 from datamodules.prepared import StringTable, folder_signature, prepare
+from layers.machine import AUTO, NumWorkers
 
 
 def class_folders(split_dir: Path) -> list[str]:
@@ -293,7 +294,7 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
                  rand_augment_magnitude: int = 9, random_erasing: float = 0.0, mixup_alpha: float = 0.0,
                  cutmix_alpha: float = 0.0, mean: tuple[float, float, float] = IMAGENET_MEAN,
                  std: tuple[float, float, float] = IMAGENET_STD, interpolation: str = "bilinear",
-                 batch_size: int = 128, eval_batch_size: int | None = None, num_workers: int = 4,
+                 batch_size: int = 128, eval_batch_size: int | None = None, num_workers: NumWorkers = AUTO,
                  pin_memory: bool = True, persistent_workers: bool = True,
                  on_bad_image: Literal["fail", "skip"] = "fail", predict_path: str | None = None,
                  streaming_root: str | None = None, prepared_dir: str | None = None):

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from datamodules.resumable import (EpochOrder, ResumableLoader, SingleThreadedWorkers, opencv_threads,  # noqa: F401
                                    run_seeded, sample_seed, world)
+from layers.machine import NumWorkers, loader_workers
 
 
 def eval_sampler(dataset: Dataset) -> UnrepeatedDistributedSampler | None:
@@ -75,14 +76,16 @@ class SuiteTrainLoader(ResumableLoader, SuiteDataLoader):
     """The training loader: its position in the epoch is saved in checkpoints and resumed from."""
 
 
-def make_loader(dataset: Dataset, *, batch_size: int, num_workers: int, train: bool, pin_memory: bool = True,
+def make_loader(dataset: Dataset, *, batch_size: int, num_workers: NumWorkers, train: bool, pin_memory: bool = True,
                 persistent_workers: bool = True, prefetch_factor: int | None = None,
                 collate_fn: Callable | None = None, trainer=None, seed: int = 0) -> DataLoader:
     """A DataLoader with the suite's conventions: resumable seeded shuffling and drop_last for
     training (:class:`SuiteTrainLoader`), unrepeated distributed
     sampling for evaluation, training workers kept alive between epochs (evaluation workers are not). A split streamed from an optimized
     dataset (an ``IterableDataset``: :class:`datamodules.streaming.StreamedSplit`) gets LitData's loader
-    with the same conventions (:func:`datamodules.streaming.streaming_loader`)."""
+    with the same conventions (:func:`datamodules.streaming.streaming_loader`). ``num_workers="auto"``
+    starts the workers this process's CPU plan gives (:func:`layers.machine.loader_workers`)."""
+    num_workers = loader_workers(num_workers)
     if isinstance(dataset, IterableDataset):
         from datamodules.streaming import streaming_loader
 

@@ -84,6 +84,7 @@ from datamodules.segmentation_layouts import (  # noqa: F401
     voc_palette,
     voc_samples,
 )
+from layers.machine import AUTO, NumWorkers
 
 DEMO_SPLITS = {"train": 1000, "val": 100, "test": 200}
 DEMO_SIZE = 128
@@ -216,7 +217,7 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
                  rotate_p: float | None = None, coco_root: str | None = None,
                  coco_splits: tuple[str, ...] = ("train2017",), coco_min_pixels: int | None = 1000,
                  eval_short_side: int | None = 512, mean: tuple[float, float, float] = IMAGENET_MEAN,
-                 std: tuple[float, float, float] = IMAGENET_STD, batch_size: int = 16, num_workers: int = 4,
+                 std: tuple[float, float, float] = IMAGENET_STD, batch_size: int = 16, num_workers: NumWorkers = AUTO,
                  pin_memory: bool = True, persistent_workers: bool = True,
                  on_bad_image: Literal["fail", "skip"] = "fail", predict_path: str | None = None,
                  streaming_root: str | None = None):

@@ -62,6 +62,7 @@ from datamodules.demo import demo_root
 from datamodules.detection_common import (DetectionDataModule, check_augmentation, check_image_size, check_on_bad_image,
                                           detection_item)
 from datamodules.images import IMAGENET_MEAN, IMAGENET_STD, OnBadImage, guarded, read_rgb
+from layers.machine import AUTO, NumWorkers
 
 #: Pascal VOC's 20 object classes, in the devkit's order (label i = ``VOC_DETECTION_CLASSES[i]``)
 VOC_DETECTION_CLASSES = (
@@ -449,7 +450,7 @@ class VocDetectionDataModule(DetectionDataModule):
                  predict_path: str | None = None, image_size: int = 320, augmentation: str = "torchvision_ssd",
                  zoom_out_max: float | None = None, iou_crop: bool = True, hflip: float = 0.5,
                  mean: tuple[float, float, float] = IMAGENET_MEAN, std: tuple[float, float, float] = IMAGENET_STD,
-                 batch_size: int = 32, eval_batch_size: int | None = None, num_workers: int = 4,
+                 batch_size: int = 32, eval_batch_size: int | None = None, num_workers: NumWorkers = AUTO,
                  pin_memory: bool = True, persistent_workers: bool = True, on_bad_image: OnBadImage = "fail",
                  class_names: list[str] | None = None, use_difficult_in_training: bool = False,
                  streaming_root: str | None = None):

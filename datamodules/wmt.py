@@ -56,6 +56,7 @@ from datamodules.resumable import EpochOrder, ResumableLoader
 from datamodules.prepared import PreparedIndex, file_signature, prepare
 from datamodules.tokenizer import (BOS_ID, EOS_ID, PAD_ID, TextLines, Tokenizer, decode_lines, joint_tokenizer,
                                    read_lines)
+from layers.machine import AUTO, NumWorkers, loader_workers
 
 log = logging.getLogger(__name__)
 
@@ -434,7 +435,7 @@ class TranslationDataModule(StreamedSource, LightningDataModule):
         max_tokens: int = 4096,
         eval_max_tokens: int | None = None,
         max_positions: int = 256,
-        num_workers: int = 0,
+        num_workers: NumWorkers = AUTO,
         seed: int = 0,
         train_split: str = "train",
         valid_split: str = "valid",
@@ -596,8 +597,9 @@ class TranslationDataModule(StreamedSource, LightningDataModule):
                                     num_replicas=replicas, rank=rank)
         loader_class = TokenBatchLoader if shuffle else DataLoader
         # a private generator: creating the iterator must not consume the global RNG (exact resume)
-        return loader_class(data, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
-                            persistent_workers=self.num_workers > 0, generator=torch.Generator().manual_seed(self.seed))
+        workers = loader_workers(self.num_workers)
+        return loader_class(data, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+                            persistent_workers=workers > 0, generator=torch.Generator().manual_seed(self.seed))
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.dataset(self.splits["fit"], training=True), True, self.max_tokens)

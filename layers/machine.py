@@ -1,0 +1,156 @@
+"""How one process shares its machine: torch's intra-op threads and the loader workers it starts.
+
+Decided once per process by :func:`plan_cpu` (the CLI applies it when the trainer knows its accelerator and
+its ranks), read by every loader through :func:`loader_workers`.
+
+Why not the defaults: torch starts one OpenMP thread per core in every process, and loader workers and the
+ranks of a node each add theirs. When the threads outnumber the free cores, OpenMP's threads wait for each
+other at every parallel region while the scheduler runs someone else; on the 2-core VM one busy process
+beside the detection demo made its steps 9x slower (``benchmarks/bench_threads.py``). So each rank gets the
+cores it may use (its CPU affinity; divided among the ranks of its node unless the launcher already bound
+each rank to its own cores), its loader workers take their share (one thread each, as torch's workers run),
+and the main process's threads get the rest.
+
+Workers (``num_workers: auto``, every recipe's default):
+- training on the CPU with at most 2 cores per rank: 0, loading in the main process. Worker processes only
+  take CPU from the arithmetic there (the demos' measured fits: detection 370 s with 2 workers, 268 s with 0);
+- otherwise on the CPU: a quarter of the rank's cores (at least 1, at most 4): CPU training consumes images
+  far slower than one core decodes them;
+- with an accelerator: all the rank's cores but the main process's one, at most :data:`MAX_GPU_WORKERS`:
+  the paper pipelines need about 10 cores per GPU (``benchmarks/RESULTS.md``, "Training loaders").
+
+A user's choice wins: an explicit ``--data.num_workers N``, ``OMP_NUM_THREADS``, or ``SUITE_THREADS``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal, Union
+
+#: a datamodule's ``num_workers`` argument: a count, or "auto" for :func:`plan_cpu`'s choice
+NumWorkers = Union[int, Literal["auto"]]
+AUTO = "auto"
+#: loader workers per rank with an accelerator: enough for the paper pipelines' ~10 cores per GPU, bounded so
+#: that a many-core node with one GPU does not fork a hundred copies of the dataset
+MAX_GPU_WORKERS = 16
+#: training on the CPU, a rank with at most this many cores loads in its main process
+MAIN_PROCESS_LOADING_CORES = 2
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """Threads and loader workers of one rank. ``cores``: the cores this rank may use; ``threads``: torch's
+    intra-op threads in the main process; ``workers``: loader processes per loader (one thread each)."""
+
+    cores: int
+    ranks_on_node: int
+    accelerator: str
+    threads: int
+    workers: int
+    threads_from: str  # "auto", or the setting that chose them ("OMP_NUM_THREADS", "SUITE_THREADS")
+    workers_from: str  # "auto" or "num_workers"
+
+    def describe(self) -> str:
+        """One line for the run's start-up output."""
+        share = f"{self.cores} cores" + (f" ({self.ranks_on_node} ranks on this node)" if self.ranks_on_node > 1 else "")
+        threads = f"{self.threads} torch threads" + ("" if self.threads_from == AUTO else f" ({self.threads_from})")
+        workers = (f"{self.workers} loader workers" if self.workers else "loading in the main process") + \
+            (" (auto)" if self.workers_from == AUTO else "")
+        return f"CPU per rank: {share}, {threads}, {workers}"
+
+
+def auto_workers(cores: int, accelerator: str) -> int:
+    """Loader workers for a rank with ``cores`` cores training on ``accelerator`` ("cpu", "gpu", ...)."""
+    if accelerator == "cpu":
+        return 0 if cores <= MAIN_PROCESS_LOADING_CORES else min(4, max(1, cores // 4))
+    return max(0, min(cores - 1, MAX_GPU_WORKERS))
+
+
+def plan_cpu(*, affinity: int, node_cpus: int, ranks_on_node: int, accelerator: str,
+             num_workers: NumWorkers = AUTO, environ: dict | None = None) -> CpuPlan:
+    """The threads and workers of one rank.
+
+    ``affinity``: cores this process may run on (``os.sched_getaffinity``); ``node_cpus``: the node's cores.
+    A process bound to fewer than all of them (SLURM's ``--cpus-per-task``, ``taskset``) owns its set; an
+    unbound one shares the node with ``ranks_on_node - 1`` others. ``environ`` (default ``os.environ``):
+    ``OMP_NUM_THREADS`` or ``SUITE_THREADS`` fix the threads."""
+    environ = os.environ if environ is None else environ
+    ranks_on_node = max(1, ranks_on_node)
+    bound = affinity < node_cpus
+    cores = affinity if bound else max(1, affinity // ranks_on_node)
+    if num_workers == AUTO:
+        workers, workers_from = auto_workers(cores, accelerator), AUTO
+    else:
+        workers, workers_from = check_num_workers(num_workers), "num_workers"
+    for name in ("SUITE_THREADS", "OMP_NUM_THREADS"):
+        if environ.get(name, "").strip():
+            return CpuPlan(cores, ranks_on_node, accelerator, positive_int(environ[name], name), workers, name,
+                           workers_from)
+    # a worker is busy only while it loads: the main process keeps at least one core when they outnumber them
+    threads = max(1, cores - workers)
+    return CpuPlan(cores, ranks_on_node, accelerator, threads, workers, AUTO, workers_from)
+
+
+def check_num_workers(num_workers) -> int:
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be 'auto' or a count >= 0, got {num_workers!r}")
+    return num_workers
+
+
+def positive_int(text: str, name: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name}={text!r}: the number of threads must be a whole number >= 1")
+    return value
+
+
+def machine_cores() -> tuple[int, int]:
+    """(cores this process may run on, cores of the node)."""
+    node = os.cpu_count() or 1
+    try:
+        return len(os.sched_getaffinity(0)), node
+    except AttributeError:  # macOS and Windows have no affinity call
+        return node, node
+
+
+#: the plan :func:`apply_cpu_plan` put in force in this process
+_applied: CpuPlan | None = None
+
+
+def apply_cpu_plan(plan: CpuPlan) -> CpuPlan:
+    """Put ``plan``'s threads in force in this process and in the processes it starts.
+
+    ``OMP_NUM_THREADS`` is exported so that ranks Lightning launches later start with it (Lightning then
+    leaves their threads alone) and OpenMP sizes their pools from the start."""
+    import torch
+
+    global _applied
+    torch.set_num_threads(plan.threads)
+    os.environ["OMP_NUM_THREADS"] = str(plan.threads)
+    _applied = plan
+    return plan
+
+
+def current_plan(accelerator: str | None = None, ranks_on_node: int | None = None) -> CpuPlan:
+    """The plan in force, or the one this process's machine and environment give (a datamodule used
+    outside the CLI: one rank, the accelerator torch sees, or torchrun's ``LOCAL_WORLD_SIZE`` ranks)."""
+    if _applied is not None:
+        return _applied
+    if accelerator is None:
+        import torch
+
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    if ranks_on_node is None:
+        ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    affinity, node = machine_cores()
+    return plan_cpu(affinity=affinity, node_cpus=node, ranks_on_node=ranks_on_node, accelerator=accelerator)
+
+
+def loader_workers(num_workers: NumWorkers) -> int:
+    """The worker count a loader starts: ``num_workers`` itself, or for "auto" the plan's."""
+    if num_workers == AUTO:
+        return current_plan().workers
+    return check_num_workers(num_workers)
