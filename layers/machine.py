@@ -35,6 +35,8 @@ AUTO = "auto"
 MAX_GPU_WORKERS = 16
 #: training on the CPU, a rank with at most this many cores loads in its main process
 MAIN_PROCESS_LOADING_CORES = 2
+#: the thread count :func:`apply_cpu_plan` exported, so that a later plan tells it from the user's own
+PLANNED = "SUITE_PLANNED_THREADS"
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class CpuPlan:
         """One line for the run's start-up output."""
         share = f"{self.cores} cores" + (f" ({self.ranks_on_node} ranks on this node)" if self.ranks_on_node > 1 else "")
         threads = f"{self.threads} torch threads" + ("" if self.threads_from == AUTO else f" ({self.threads_from})")
-        workers = (f"{self.workers} loader workers" if self.workers else "loading in the main process") + \
+        workers = (f"{self.workers} loader worker{'s' if self.workers > 1 else ''}" if self.workers
+                   else "loading in the main process") + \
             (" (auto)" if self.workers_from == AUTO else "")
         return f"CPU per rank: {share}, {threads}, {workers}"
 
@@ -83,7 +86,10 @@ def plan_cpu(*, affinity: int, node_cpus: int, ranks_on_node: int, accelerator: 
     else:
         workers, workers_from = check_num_workers(num_workers), "num_workers"
     for name in ("SUITE_THREADS", "OMP_NUM_THREADS"):
-        if environ.get(name, "").strip():
+        value = environ.get(name, "").strip()
+        if name == "OMP_NUM_THREADS" and value == environ.get(PLANNED, ""):
+            continue  # exported by an earlier plan (a launching rank's), not chosen by the user
+        if value:
             return CpuPlan(cores, ranks_on_node, accelerator, positive_int(environ[name], name), workers, name,
                            workers_from)
     # a worker is busy only while it loads: the main process keeps at least one core when they outnumber them
@@ -129,7 +135,8 @@ def apply_cpu_plan(plan: CpuPlan) -> CpuPlan:
 
     global _applied
     torch.set_num_threads(plan.threads)
-    os.environ["OMP_NUM_THREADS"] = str(plan.threads)
+    if plan.threads_from == AUTO:
+        os.environ["OMP_NUM_THREADS"] = os.environ[PLANNED] = str(plan.threads)
     _applied = plan
     return plan
 

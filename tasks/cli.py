@@ -14,6 +14,8 @@ Defaults shared by all tasks (each overridable from YAML or the command line):
   (:class:`tasks.progress.LineProgress`) when the output goes to a file;
 - a fixed seed;
 - freed CPU memory kept for reuse instead of unmapped (:mod:`tasks.runtime`);
+- torch threads and loader workers (``num_workers: auto``) from the cores each rank may use, stated at
+  start-up (:mod:`layers.machine`);
 - checkpoints written atomically beside their destination (:mod:`tasks.checkpoint_io`);
 - on ``fit``: SIGTERM / SIGUSR1 stop every rank at a step boundary with ``last.ckpt`` written and
   exit code ``128 + signal`` (:mod:`tasks.preemption`; ``--preemption.signals`` names others);
@@ -47,12 +49,14 @@ from typing import Optional, Sequence
 
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
+from layers.machine import AUTO, apply_cpu_plan, machine_cores, plan_cpu
 from tasks.checkpoint_io import AtomicCheckpointIO
 from tasks.checkpoints import LAST_NAME, LatestCheckpoint, check_checkpoint_file, read_checkpoint
 from tasks.preemption import Preemption, resume_command
@@ -304,7 +308,21 @@ class SuiteCLI(LightningCLI):
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins.append(AtomicCheckpointIO())
         # Lightning adds the `preemption` callback and the config-saving one to these
-        return super().instantiate_trainer(callbacks=callbacks, plugins=plugins, **kwargs)
+        trainer = super().instantiate_trainer(callbacks=callbacks, plugins=plugins, **kwargs)
+        self.apply_cpu_plan(trainer)
+        return trainer
+
+    def apply_cpu_plan(self, trainer: Trainer) -> None:
+        """Torch threads and loader workers from the cores this rank may use (:mod:`layers.machine`), decided
+        before Lightning launches the other ranks of this node, which inherit the thread count."""
+        affinity, node_cpus = machine_cores()
+        accelerator = "cpu" if isinstance(trainer.accelerator, CPUAccelerator) else "gpu"
+        workers = getattr(self.datamodule, "num_workers", None)
+        if workers is None:
+            workers = getattr(self.datamodule, "hparams", {}).get("num_workers", AUTO)
+        plan = apply_cpu_plan(plan_cpu(affinity=affinity, node_cpus=node_cpus, ranks_on_node=trainer.num_devices,
+                                       accelerator=accelerator, num_workers=workers))
+        rank_zero_info(plan.describe())
 
     @staticmethod
     def _checkpoints(args) -> list[Checkpoint]:

@@ -1,0 +1,139 @@
+"""The threads and loader workers each rank gets (layers/machine.py) and how the CLI applies them."""
+import os
+
+import pytest
+import torch
+
+from layers import machine
+from layers.machine import apply_cpu_plan, loader_workers, plan_cpu
+
+
+def plan(cores, node=None, ranks=1, accelerator="cpu", workers="auto", **environ):
+    return plan_cpu(affinity=cores, node_cpus=node or cores, ranks_on_node=ranks, accelerator=accelerator,
+                    num_workers=workers, environ=environ)
+
+
+def test_two_cores_training_on_the_cpu_load_in_the_main_process_with_every_core_computing():
+    chosen = plan(2)
+    assert (chosen.cores, chosen.threads, chosen.workers) == (2, 2, 0)
+
+
+def test_one_gpu_on_sixteen_cores_loads_in_fifteen_workers_beside_one_main_thread():
+    chosen = plan(16, accelerator="gpu")
+    assert (chosen.cores, chosen.threads, chosen.workers) == (16, 1, 15)
+
+
+def test_eight_gpus_on_sixty_four_cores_share_the_node_eight_cores_each():
+    chosen = plan(64, ranks=8, accelerator="gpu")
+    assert (chosen.cores, chosen.threads, chosen.workers) == (8, 1, 7)
+
+
+def test_a_rank_bound_to_its_own_cores_is_not_divided_again():
+    # SLURM's --cpus-per-task=8 gives each of the node's 8 ranks an affinity of 8 of its 64 cores
+    chosen = plan(8, node=64, ranks=8, accelerator="gpu")
+    assert (chosen.cores, chosen.workers) == (8, 7)
+
+
+def test_a_many_core_node_with_one_gpu_does_not_fork_a_worker_per_core():
+    assert plan(128, accelerator="gpu").workers == machine.MAX_GPU_WORKERS
+
+
+def test_a_larger_cpu_gives_a_share_of_its_cores_to_loading():
+    chosen = plan(16)
+    assert 1 <= chosen.workers <= 4 and chosen.threads == 16 - chosen.workers
+
+
+def test_explicit_workers_and_threads_win():
+    chosen = plan(16, accelerator="gpu", workers=4)
+    assert (chosen.workers, chosen.workers_from, chosen.threads) == (4, "num_workers", 12)
+    chosen = plan(2, OMP_NUM_THREADS="1")
+    assert (chosen.threads, chosen.threads_from) == (1, "OMP_NUM_THREADS")
+    chosen = plan(64, ranks=8, accelerator="gpu", SUITE_THREADS="3", OMP_NUM_THREADS="1")
+    assert (chosen.threads, chosen.threads_from) == (3, "SUITE_THREADS")
+
+
+@pytest.mark.parametrize("bad", ["0", "two", "-1"])
+def test_a_bad_thread_setting_is_named(bad):
+    with pytest.raises(ValueError, match=f"OMP_NUM_THREADS='{bad}'"):
+        plan(2, OMP_NUM_THREADS=bad)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "many", True])
+def test_a_bad_worker_count_is_named(bad):
+    with pytest.raises(ValueError, match="num_workers must be 'auto' or a count"):
+        plan(2, workers=bad)
+
+
+def test_the_start_up_line_says_what_was_chosen_and_why():
+    assert plan(2).describe() == "CPU per rank: 2 cores, 2 torch threads, loading in the main process (auto)"
+    line = plan(64, ranks=8, accelerator="gpu", OMP_NUM_THREADS="2").describe()
+    assert line == "CPU per rank: 8 cores (8 ranks on this node), 2 torch threads (OMP_NUM_THREADS), 7 loader workers (auto)"
+
+
+def test_applying_a_plan_sets_torch_and_the_environment_of_later_ranks(monkeypatch):
+    monkeypatch.setattr(machine, "_applied", None)
+    forget_exported_threads(monkeypatch)
+    before = torch.get_num_threads()
+    try:
+        applied = apply_cpu_plan(plan(16, accelerator="gpu", workers=2))
+        assert torch.get_num_threads() == applied.threads == 14
+        assert os.environ["OMP_NUM_THREADS"] == "14"
+        # a rank started later inherits the count, and plans it again rather than taking it for the user's
+        assert plan(16, accelerator="gpu", **os.environ).threads_from == "auto"
+        assert loader_workers("auto") == 2 and loader_workers(5) == 5
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("task", ["classify", "detect", "segment", "translate"])
+def test_each_task_cli_applies_the_plan_to_its_loaders_and_says_so(task, tmp_path, monkeypatch, caplog):
+    """The real CLI of each task on a 16-core CPU (the machine faked): the training loader starts the
+    plan's workers and torch runs the plan's threads; an explicit --data.num_workers wins."""
+    import importlib
+
+    from tasks import cli as cli_module
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(machine, "_applied", None)
+    forget_exported_threads(monkeypatch)
+    monkeypatch.setattr(cli_module, "machine_cores", lambda: (16, 16))
+    main = importlib.import_module(f"tasks.{task}").main
+    quiet = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu"]
+    before = torch.get_num_threads()
+    caplog.set_level("INFO")
+    try:
+        for flags, workers in (([], 4), (["--data.num_workers", "1"], 1)):
+            machine._applied = None
+            cli = main_without_running(main, [*quiet, *flags], monkeypatch)
+            assert machine._applied.workers == workers and torch.get_num_threads() == 16 - workers
+            cli.datamodule.setup("fit")
+            assert cli.datamodule.train_dataloader().num_workers == workers
+            assert f"CPU per rank: 16 cores, {16 - workers} torch threads, {workers} loader worker" in caplog.text
+    finally:
+        torch.set_num_threads(before)
+
+
+def main_without_running(main, args, monkeypatch):
+    """The SuiteCLI that a task's ``main(args)`` builds, instantiated but not run."""
+    from tasks import cli as cli_module
+    from tasks.recipes import recipe_path
+
+    built = []
+
+    class NotRunning(cli_module.SuiteCLI):
+        def __init__(self, *positional, args, **keywords):
+            # without a subcommand nothing inserts the task's demo recipe: name it
+            demo = ["--config", str(recipe_path(keywords["task"], keywords["default_config"]))]
+            super().__init__(*positional, args=[*demo, *args], **{**keywords, "run": False})
+            built.append(self)
+
+    monkeypatch.setattr(cli_module, "SuiteCLI", NotRunning)
+    main(args)
+    return built[-1]
+
+
+def forget_exported_threads(monkeypatch):
+    """No thread setting in the environment; the test leaves it as it found it."""
+    for name in ("OMP_NUM_THREADS", machine.PLANNED, "SUITE_THREADS"):
+        monkeypatch.setenv(name, "1")  # recorded, so that it is restored
+        monkeypatch.delenv(name)
