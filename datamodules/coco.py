@@ -35,7 +35,8 @@ import contextlib
 import io
 import json
 from collections import Counter
-from numbers import Real
+import math
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Sequence
 
@@ -98,6 +99,10 @@ def is_number(value) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
+def is_integer(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
 def _named(value) -> str:
     """A value as an error message shows it: its repr, and its type when the repr hides it (``'3'``)."""
     return f"{value!r} (a {type(value).__name__})" if not is_number(value) else repr(value)
@@ -126,21 +131,47 @@ def _check_images(images: list, annotation_file: Path) -> None:
                              "with conflicting boxes")
 
 
+def _check_categories(categories: list, annotation_file: Path) -> None:
+    """Every category has an integer id: labels are indexed by it, and a string id cannot equal an annotation's."""
+    for category in categories:
+        if not is_integer(category.get("id")):
+            raise ValueError(f"{annotation_file}: category {category.get('name')!r} has id {_named(category.get('id'))}; "
+                             "COCO category ids are integers, in 'categories' and in every annotation's category_id "
+                             f"(write {_as_integer_hint(category.get('id'))}, without quotes)")
+
+
+def _as_integer_hint(value) -> str:
+    """How ``value`` would be written as an integer id, for an error message (``'3'`` -> ``3``)."""
+    text = str(value).strip()
+    return text if text.lstrip("-").isdigit() else "a whole number such as 1"
+
+
 def _check_annotation(ann: dict, annotation_file: Path, images: dict, categories: set) -> None:
     where = f"{annotation_file}: annotation {ann.get('id')}"
     if ann.get("image_id") not in images:
         raise ValueError(f"{where} refers to image_id {_named(ann.get('image_id'))}, which is not in 'images'")
-    if ann.get("category_id") not in categories or not is_number(ann.get("category_id")):
-        raise ValueError(f"{where} has category_id {_named(ann.get('category_id'))}, which is not among the "
-                         f"categories {sorted(categories)}")
+    category_id = ann.get("category_id")
+    if category_id not in categories or not is_integer(category_id):
+        hint = (f": category ids are integers (write {_as_integer_hint(category_id)}, without quotes)"
+                if not is_integer(category_id) else "")
+        raise ValueError(f"{where} has category_id {_named(category_id)}, which is not among the "
+                         f"categories {sorted(categories)}{hint}")
     if "bbox" not in ann:
         raise ValueError(f"{where} has no 'bbox' (segmentation only?); detection needs a box for every annotation")
     bbox = ann["bbox"]
     if not (isinstance(bbox, (list, tuple)) and len(bbox) == 4 and all(is_number(v) for v in bbox)):
         raise ValueError(f"{where} has bbox {bbox!r}; expected 4 numbers [x, y, width, height]")
+    if not all(math.isfinite(v) for v in bbox):
+        # NaN compares false with everything: it would pass every size check and vanish from training unseen
+        raise ValueError(f"{where} has bbox {bbox!r} with a value that is not a finite number; fix the box or "
+                         "remove the annotation")
     if bbox[2] < 0 or bbox[3] < 0:
         raise ValueError(f"{where} has bbox {bbox!r} with a negative width or height; COCO boxes are "
                          "[x, y, width, height] with width, height >= 0 (x2, y2 written in place of width, height?)")
+    area = ann.get("area")
+    if is_number(area) and not math.isfinite(area):
+        raise ValueError(f"{where} has area {area!r}, not a finite number (COCOeval sizes objects by it); fix it "
+                         "or leave 'area' out to use the box's")
 
 
 def build_coco_index(annotation_file: Path) -> tuple[dict[str, np.ndarray], dict]:
@@ -148,6 +179,7 @@ def build_coco_index(annotation_file: Path) -> tuple[dict[str, np.ndarray], dict
     image and annotation; errors name the file and the id or value."""
     dataset = read_annotation_json(annotation_file)
     images, annotations = dataset.get("images", []), dataset.get("annotations", [])
+    _check_categories(dataset.get("categories", []), annotation_file)
     categories = sorted(({"id": c["id"], "name": c.get("name", str(c["id"]))} for c in dataset.get("categories", [])),
                         key=lambda c: c["id"])
     _check_images(images, annotation_file)
@@ -245,7 +277,12 @@ class CocoDetection(Dataset):
         # category id -> contiguous label, as an array so workers share it
         self.label_of = np.full(max(self.category_ids, default=0) + 1, -1, np.int64)
         self.label_of[self.category_ids] = np.arange(len(self.category_ids))
-        self.num_degenerate = self._count_degenerate()
+        empty = self._empty_boxes()
+        crowd = self.index.iscrowd.astype(bool)
+        self.num_degenerate = int((empty & ~crowd).sum())
+        self.num_crowd = int(crowd.sum())
+        #: the boxes training sees: neither crowd regions nor boxes with no area inside their image
+        self.num_training_boxes = int((~empty & ~crowd).sum())
 
     def _check_declared_categories(self, file_categories: list[int], category_ids: Sequence[int],
                                    category_source: Path | str | None) -> None:
@@ -256,17 +293,19 @@ class CocoDetection(Dataset):
             raise ValueError(f"{self.annotation_file} declares category ids {extra}, which {source} does not have "
                              f"(its categories: {list(category_ids)}); the model cannot predict them")
 
-    def _count_degenerate(self) -> int:
+    def _empty_boxes(self) -> np.ndarray:
+        """(M,) bool: the annotations whose box has no area inside its image; those that are not crowds
+        (crowds never train) are dropped from training, with a warning naming them."""
         index = self.index
         per_object = np.repeat(np.arange(len(index)), np.diff(index.ann_offsets))
         width, height = index.widths[per_object], index.heights[per_object]
         x1, y1 = np.maximum(index.boxes[:, 0], 0), np.maximum(index.boxes[:, 1], 0)
         empty = (np.minimum(index.boxes[:, 2], width) <= x1) | (np.minimum(index.boxes[:, 3], height) <= y1)
-        ids = index.ann_ids[empty]
+        ids = index.ann_ids[empty & (index.iscrowd == 0)]
         if len(ids):
             rank_zero_warn(f"{self.annotation_file}: dropped {len(ids)} boxes with no area inside the image "
                            f"(annotation ids {ids[:10].tolist()}{' ...' if len(ids) > 10 else ''})")
-        return len(ids)
+        return empty
 
     def __len__(self) -> int:
         return len(self.image_ids)
@@ -313,6 +352,21 @@ class CocoDetection(Dataset):
         path = self.existing_image(index)
         return {**self.annotation(index), "image": path.read_bytes(),
                 "path": f"{self.image_dir.name}/{self.index.file_names[index]}"}
+
+
+def refuse_training_without_boxes(dataset: CocoDetection) -> None:
+    """A training split that gives the model no box at all would fit on background alone, without a word."""
+    if dataset.num_training_boxes:
+        return
+    total = len(dataset.index.ann_ids)
+    if not total:
+        raise ValueError(f"{dataset.annotation_file} has no annotations: the training split has no box to learn "
+                         "from. Point --data.train_split at an annotated split")
+    raise ValueError(
+        f"{dataset.annotation_file}: none of its {total} annotations is a box training can use "
+        f"({dataset.num_crowd} are crowd regions, iscrowd=1, which training leaves out as COCO does; "
+        f"{dataset.num_degenerate} have no area inside their image). Mark single objects iscrowd=0, or point "
+        "--data.train_split at an annotated split")
 
 
 class CocoDataModule(DetectionDataModule):
@@ -427,7 +481,10 @@ class CocoDataModule(DetectionDataModule):
         dataset = CocoDetection(self.root / name, self.annotation_file(name), self.transform(train), category_ids,
                                 on_bad_image=self.hparams.on_bad_image, category_source=self._categories_file,
                                 prepared_dir=self.hparams.prepared_dir)
-        rank_zero_info(f"{name}: {len(dataset)} images, {len(dataset.index.ann_ids)} annotations")
+        crowd = f" ({dataset.num_crowd} crowd regions, left out of training)" if dataset.num_crowd else ""
+        rank_zero_info(f"{name}: {len(dataset)} images, {len(dataset.index.ann_ids)} annotations{crowd}")
+        if train:
+            refuse_training_without_boxes(dataset)
         return dataset
 
     # -- what python -m datamodules.optimize writes -----------------------------------------------------

@@ -238,3 +238,69 @@ def test_each_annotation_file_is_parsed_once_and_then_mapped(root, monkeypatch):
     dm = CocoDataModule(root=str(root), image_size=32, num_workers=0)
     dm.setup("validate")
     assert parsed[2:] == [annotation_file(root, "val2017")] and len(dm.val_set.index.ann_ids) == 3
+
+
+# -- 9. values that compare false with everything, ids of the wrong type, nothing to train on ----------
+@pytest.mark.parametrize("split, stage", [("train2017", "fit"), ("val2017", "validate")])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_box_names_file_annotation_and_value(root, split, stage, value):
+    """A NaN box passes every size comparison: unchecked it left training uncounted and counted as a
+    missed object in evaluation."""
+    path = annotation_file(root, split)
+    edit(path, lambda d: d["annotations"][0].update(bbox=[value, 5.0, 20.0, 20.0]))
+    assert "NaN" in path.read_text() or "Infinity" in path.read_text()  # what json writes, and reads back
+    dm = CocoDataModule(root=str(root), image_size=32, num_workers=0)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: annotation 101 has bbox \[{value}, 5.0, 20.0, "
+                                         r"20.0\] with a value that is not a finite number; fix the box or remove"):
+        dm.setup(stage)
+
+
+def test_non_finite_area_names_file_annotation_and_value(root):
+    path = annotation_file(root, "val2017")
+    edit(path, lambda d: d["annotations"][1].update(area=float("nan")))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: annotation 102 has area nan, not a finite number"):
+        dataset(root)
+
+
+def test_category_ids_written_as_strings_everywhere_say_ids_are_integers(root):
+    """Quoted ids in 'categories' and in every annotation agree with each other, but labels are indexed by
+    id: the error names the first category and says how to write it."""
+    path = annotation_file(root, "train2017")
+
+    def quote(d):
+        for category in d["categories"]:
+            category["id"] = str(category["id"])
+        for ann in d["annotations"]:
+            ann["category_id"] = str(ann["category_id"])
+
+    edit(path, quote)
+    dm = CocoDataModule(root=str(root), image_size=32, num_workers=0)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: category 'cat' has id '1' \(a str\); COCO category "
+                                         r"ids are integers.*\(write 1, without quotes\)"):
+        dm.setup("fit")
+    # a single quoted annotation among integer categories says the same
+    write_split(root, "train2017")
+    edit(path, lambda d: d["annotations"][2].update(category_id="4"))
+    with pytest.raises(ValueError, match=r"annotation 103 has category_id '4' \(a str\), which is not among the "
+                                         r"categories \[1, 4\]: category ids are integers \(write 4, without quotes\)"):
+        CocoDataModule(root=str(root), image_size=32, num_workers=0).setup("fit")
+
+
+def test_training_split_of_only_crowd_regions_is_refused(root, caplog):
+    """Crowd regions never train (COCO's convention): a split of nothing else would fit on background alone."""
+    path = annotation_file(root, "train2017")
+    edit(path, lambda d: [ann.update(iscrowd=1) for ann in d["annotations"]])
+    dm = CocoDataModule(root=str(root), image_size=32, num_workers=0)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: none of its 4 annotations is a box training can "
+                                         r"use \(4 are crowd regions, iscrowd=1, .*; 0 have no area .*Mark single "
+                                         r"objects iscrowd=0"):
+        dm.setup("fit")
+    # a split with some crowds trains on the rest, and says how many it leaves out
+    edit(path, lambda d: d["annotations"][0].update(iscrowd=0))
+    dm = CocoDataModule(root=str(root), image_size=32, num_workers=0)
+    dm.setup("fit")
+    assert dm.train_set.num_training_boxes == 1 and dm.train_set.num_crowd == 3
+    assert "train2017: 4 images, 4 annotations (3 crowd regions, left out of training)" in caplog.text
+    # evaluation splits of crowds only are scored as COCOeval scores them: no refusal there
+    edit(annotation_file(root, "val2017"), lambda d: [ann.update(iscrowd=1) for ann in d["annotations"]])
+    CocoDataModule(root=str(root), image_size=32, num_workers=0).setup("validate")
