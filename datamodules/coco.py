@@ -25,8 +25,10 @@ all unreadable is ``{"skipped": n}``.
 
 Faults in the data are errors naming the file and the offending id or value: an annotation file
 that is not JSON, a ``bbox`` that is not 4 numbers or is missing, an image id or file name listed
-twice, an image entry without ``width``/``height``, a box of negative size, an image whose pixel size differs from the annotation file's, a validation/test file declaring
-categories the training file does not have. Unreadable image files (truncated, empty, not an
+twice, an image entry without ``width``/``height``, a box of negative size, a box or area that is not a
+finite number (NaN, infinity), a category id that is not an integer, an image whose pixel size differs
+from the annotation file's, a validation/test file declaring categories the training file does not
+have, a training split with no box to train on (all crowd regions, say). Unreadable image files (truncated, empty, not an
 image) stop with :class:`datamodules.images.BadImageError` unless ``on_bad_image="skip"``.
 """
 from __future__ import annotations
