@@ -164,12 +164,27 @@ class Lines:
         return self.data[int(self.starts[line]) : int(self.ends[line])].tobytes().decode("utf-8")
 
 
+def warn_blank_evaluation_lines(index: PreparedIndex, name: str) -> None:
+    """Say which evaluation pairs have an empty (or whitespace) side: they are scored as they are, since
+    leaving them out would change the test set, but an empty reference turns every word of its
+    hypothesis into an error, which a misaligned or damaged file often is the cause of."""
+    blank_src, blank_tgt = np.asarray(index["src_blank"]), np.asarray(index["tgt_blank"])
+    lines = np.flatnonzero(blank_src | blank_tgt) + 1
+    if not len(lines):
+        return
+    shown = ", ".join(str(n) for n in lines[:10]) + (", ..." if len(lines) > 10 else "")
+    log.warning("%s: %d of %d pairs have an empty side (%d empty references, %d empty sources; line %s); they are "
+                "scored as they are: an empty reference counts its whole hypothesis as wrong. Remove such pairs "
+                "from both files to leave them out of the score", name, len(lines), len(blank_src),
+                int(blank_tgt.sum()), int(blank_src.sum()), shown)
+
+
 class ParallelText(Dataset):
     """Tokenized pairs of one split, read from its prepared index (:func:`prepare_split`).
     Item i -> (line, src ids + eos (S,) int64, target ids (T,) int64, raw src, raw tgt).
 
     Training drops pairs with an empty side or more than ``max_positions - 1`` tokens on a side
-    (counted in a warning); evaluation keeps every line and cuts long sources. Both work on the
+    (counted in a warning); evaluation keeps every line, cuts long sources and warns about empty sides. Both work on the
     index's length arrays, so another ``max_positions`` needs no new tokenization. The dataset
     holds arrays only (the mapped index, kept line numbers, lengths): forked loader workers share
     them instead of copying millions of Python objects."""
@@ -199,6 +214,7 @@ class ParallelText(Dataset):
             cut = int((src_len > limit).sum())
             if cut:
                 log.warning("%s: %d of %d source lines truncated to %d tokens", name, cut, total, limit)
+            warn_blank_evaluation_lines(index, name)
         self.index = keep.astype(np.int64)
         self.src_lengths = (np.minimum(src_len[keep], limit) + 1).astype(np.int32)  # eos included
         self.tgt_lengths = (np.minimum(tgt_len[keep], limit) + 1).astype(np.int32)  # eos (or bos) included

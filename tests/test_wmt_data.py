@@ -311,3 +311,18 @@ def test_predict_refuses_missing_empty_and_non_utf8_input(tmp_path, monkeypatch,
         TranslationDataModule(predict_path=str(empty)).predict_dataloader()
     with pytest.raises(ValueError, match="predict needs --data.predict_path"):
         TranslationDataModule(root=str(tmp_path)).predict_dataloader()
+
+
+@pytest.mark.parametrize("split, stage", [("test", "test"), ("valid", "validate")])
+def test_blank_evaluation_lines_are_scored_as_they_are_and_named(tmp_path, demo, caplog, split, stage):
+    """A whitespace-only reference is not dropped (that would change the test set) but no longer silent."""
+    root = small_root(tmp_path, demo)
+    en, de = read_split(root, split, "en"), read_split(root, split, "de")
+    de[6], en[40], de[40] = "   ", "", "\t"
+    write_pair(root, split, en, de)
+    dm = TranslationDataModule(root=str(root), vocab_size=300)
+    with caplog.at_level(logging.WARNING, logger="datamodules.wmt"):
+        dm.setup(stage)
+    assert len(dm.datasets[split]) == 300  # every line is still scored, in file order
+    assert (f"{root / split}: 2 of 300 pairs have an empty side (2 empty references, 1 empty sources; line 7, 41); "
+            "they are scored as they are") in caplog.text
