@@ -154,17 +154,30 @@ def ade20k_samples(root: Path, split: str) -> list[Sample]:
     return samples
 
 
-def read_split_list(list_file: Path) -> list[str]:
-    """Stems of a VOC split list. Lines are ``<stem>`` or ``<image path> <mask path>`` (SBD's train_aug.txt)."""
+def split_list_entries(list_file: Path) -> list[tuple[int, str]]:
+    """``(line number, stem)`` of each image of a VOC split list. Lines are ``<stem>`` or ``<image path>
+    <mask path>`` (SBD's train_aug.txt); blank lines are skipped. An empty list, or an image listed twice
+    (it would be trained on, or scored, twice), is an error naming the list and the lines."""
     if not list_file.is_file():
         raise FileNotFoundError(f"split list {list_file} does not exist")
-    stems = []
-    for line in list_file.read_text().splitlines():
-        if line.strip():
-            stems.append(Path(line.split()[0]).stem)
-    if not stems:
+    entries, first_line = [], {}
+    for line_no, line in enumerate(list_file.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        stem = Path(line.split()[0]).stem
+        if stem in first_line:
+            raise ValueError(f"{list_file} line {line_no} lists {stem!r} again (first at line {first_line[stem]}); "
+                             "each image may be listed once: remove the repeated line")
+        first_line[stem] = line_no
+        entries.append((line_no, stem))
+    if not entries:
         raise ValueError(f"split list {list_file} is empty")
-    return stems
+    return entries
+
+
+def read_split_list(list_file: Path) -> list[str]:
+    """Stems of a VOC split list, in its order (:func:`split_list_entries`)."""
+    return [stem for _, stem in split_list_entries(list_file)]
 
 
 def voc_samples(root: Path, split: str, mask_dir: str = "SegmentationClass") -> list[Sample]:
@@ -175,7 +188,7 @@ def voc_samples(root: Path, split: str, mask_dir: str = "SegmentationClass") -> 
                                 f"holding JPEGImages/, {mask_dir}/ and ImageSets/Segmentation/)"
                                 f"{layout_hint(root, 'voc')}")
     samples = []
-    for line_no, stem in enumerate(read_split_list(list_file), start=1):
+    for line_no, stem in split_list_entries(list_file):
         image, mask = root / "JPEGImages" / f"{stem}.jpg", root / mask_dir / f"{stem}.png"
         for path in (image, mask):
             if not path.is_file():

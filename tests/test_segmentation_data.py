@@ -263,3 +263,26 @@ def test_eval_keeps_mask_at_original_size(demo):
     dm.setup("validate")
     item = dm.val_set[0]
     assert item["image"].shape == (3, 64, 64) and item["mask"].shape == (128, 128)
+
+
+def test_split_list_naming_an_image_twice_is_refused(tmp_path):
+    """A repeated validation entry was evaluated twice (mIoU shifted); VOC detection's lists already refused it."""
+    masks = {stem: np.zeros((4, 4), np.uint8) for stem in ("a", "b", "c")}
+    root = make_voc(tmp_path / "VOC2012", masks)
+    val = root / "ImageSets" / "Segmentation" / "val.txt"
+    val.write_text("a\n\nb\nc\nb\n")
+    dm = SegmentationDataModule(root=str(root), num_workers=0)
+    with pytest.raises(ValueError, match=rf"{val} line 5 lists 'b' again \(first at line 3\); each image may be "
+                                         "listed once"):
+        dm.setup("validate")
+    # SBD's two-column form names the same image by its path
+    val.write_text("a\n/JPEGImages/a.jpg /SegmentationClass/a.png\n")
+    with pytest.raises(ValueError, match=r"line 2 lists 'a' again \(first at line 1\)"):
+        SegmentationDataModule(root=str(root), num_workers=0).setup("validate")
+
+
+def test_split_list_errors_count_blank_lines(tmp_path):
+    root = make_voc(tmp_path / "VOC2012", {"a": np.zeros((4, 4), np.uint8)})
+    (root / "ImageSets" / "Segmentation" / "train.txt").write_text("\na\n\nghost\n")
+    with pytest.raises(FileNotFoundError, match=r"train\.txt line 4 names 'ghost'"):
+        SegmentationDataModule(root=str(root), num_workers=0).setup("fit")
