@@ -16,6 +16,11 @@ PRIVATE_NAMES = [
      "layers.cpu_speedups: the CPU speed paths step aside for the FLOP counter and other dispatch modes"),
     ("torch.utils._python_dispatch", "TorchDispatchMode",
      "tests/test_fusion.py: an op log that shows which aten ops a block runs (in-place activations)"),
+    ("torch._subclasses.fake_tensor", "FakeTensorMode",
+     "benchmarks/bench_kernels.py: a network run on fake CUDA tensors takes CUDA's dispatch decisions without a GPU"),
+    ("torch._C._autograd", "_InputMetadata",
+     "benchmarks/bench_kernels.py: what an autograd node's _input_metadata holds, the shape and dtype of each "
+     "gradient it expects (tests/test_bench_kernels.py runs it)"),
     ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu",
      "layers.attention.register_cpu_sdpa_flops: the FLOP counter's formula for CPU attention"),
     ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu_backward",
@@ -55,6 +60,20 @@ def torch_dispatch_mode() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def fake_tensor_mode() -> type:
+    """The mode whose tensors carry shapes, strides, dtypes and a device (CUDA too) but no data. torch has
+    no public module for it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode
+
+
+def autograd_input_metadata(node) -> tuple:
+    """Shape and dtype (``.shape``, ``.dtype``) of each gradient an autograd node receives, which autograd's
+    engine checks between nodes; torch exposes them only as this attribute of the node."""
+    return node._input_metadata
 
 
 def cpu_sdpa_kernels() -> tuple:
