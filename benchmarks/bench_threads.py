@@ -9,9 +9,9 @@ command, ``python -m tasks.detect fit``, timed for ``--steps`` training steps af
 (``--load-batches`` batches in the main process, as the demo loads). Each variant runs in fresh child
 processes, since OpenMP reads its settings when torch loads it:
 
-- ``before``: torch's defaults, as the suite ran before it planned threads: one thread per core, OpenMP's
-  default wait (``GOMP_SPINCOUNT=300000``, libgomp's own default, stated so that the suite's choice is off);
-- ``suite``: what the suite chooses (:mod:`layers.machine`, ``tasks/__init__.py``);
+- ``before``: torch's default, one thread per core, held fixed (``SUITE_THREADS`` = the cores), as the suite
+  ran before its threads followed the machine;
+- ``suite``: what the suite chooses (:mod:`layers.machine`: the plan, and :class:`tasks.runtime.ThreadsFollowLoad`);
 - ``one-thread``: ``OMP_NUM_THREADS=1``, for reference;
 - ``passive``: ``OMP_WAIT_POLICY=PASSIVE``, for reference.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {
-    "before": {"GOMP_SPINCOUNT": "300000"},
+    "before": {"SUITE_THREADS": str(len(os.sched_getaffinity(0)))},
     "suite": {},
     "one-thread": {"OMP_NUM_THREADS": "1"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
@@ -42,7 +42,6 @@ CLEARED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIM
 
 LOAD_CHILD = """
 import sys, time
-import tasks  # what `python -m tasks.detect` imports first
 from datamodules.coco import CocoDataModule
 data = CocoDataModule(**{k: v for k, v in __import__('yaml').safe_load(open(sys.argv[1]))['data'].items()})
 data.setup('fit')

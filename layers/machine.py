@@ -19,11 +19,18 @@ Workers (``num_workers: auto``, every recipe's default):
 - with an accelerator: all the rank's cores but the main process's one, at most :data:`MAX_GPU_WORKERS`:
   the paper pipelines need about 10 cores per GPU (``benchmarks/RESULTS.md``, "Training loaders").
 
+Threads while training on the CPU (:class:`OtherLoad`): the plan counts on the rank's cores being free. When
+another process takes one, a thread that shares it makes every parallel region wait for it; so a rank that
+loads in its main process measures, every few seconds, the CPU time other processes spend on its cores and
+runs one thread fewer per core they take, back up when they leave. (OpenMP's passive wait instead, which
+also stops the wait for a busy core, made the quiet demo 1.5x slower: ``benchmarks/results_threads.md``.)
+
 A user's choice wins: an explicit ``--data.num_workers N``, ``OMP_NUM_THREADS``, or ``SUITE_THREADS``.
 """
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Literal, Union
 
@@ -161,3 +168,51 @@ def loader_workers(num_workers: NumWorkers) -> int:
     if num_workers == AUTO:
         return current_plan().workers
     return check_num_workers(num_workers)
+
+
+class OtherLoad:
+    """CPU time that other processes spend on this process's cores, in cores, between two :meth:`sample` calls.
+
+    Reads the busy time of those cores from ``/proc/stat`` (Linux) and subtracts this process's own CPU
+    time (all its threads); children still running (loader workers) would count as others, so it serves a
+    process that loads in its main process. ``available`` is False where ``/proc/stat`` cannot be read."""
+
+    def __init__(self, cpus: set[int] | None = None):
+        try:
+            self.cpus = set(os.sched_getaffinity(0)) if cpus is None else cpus
+        except AttributeError:
+            self.cpus = set()
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.last = self.read()
+        self.available = self.last is not None
+
+    def read(self) -> tuple[float, float, float] | None:
+        """(wall seconds, busy seconds of ``cpus``, this process's CPU seconds)."""
+        try:
+            with open("/proc/stat") as stat:
+                lines = stat.read().splitlines()
+        except OSError:
+            return None
+        busy = 0
+        for line in lines:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in self.cpus:
+                ticks = [int(f) for f in fields]
+                # user nice system idle iowait irq softirq steal ...: idle and iowait are not busy
+                busy += sum(ticks[:8]) - ticks[3] - ticks[4]
+        own = os.times()
+        return time.monotonic(), busy / self.tick, own.user + own.system
+
+    def sample(self) -> float | None:
+        """Cores' worth of CPU that others used since the last sample (None before any time has passed)."""
+        now = self.read()
+        if now is None or self.last is None or now[0] <= self.last[0]:
+            return None
+        (wall0, busy0, own0), (wall1, busy1, own1) = self.last, now
+        self.last = now
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall1 - wall0)
+
+
+def threads_beside(plan: CpuPlan, others: float) -> int:
+    """The plan's threads less one per core that other processes keep busy (at least one)."""
+    return max(1, min(plan.threads, plan.cores - int(others + 0.5)))

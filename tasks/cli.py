@@ -63,7 +63,7 @@ from tasks.preemption import Preemption, resume_command
 from tasks.progress import LineProgress, stdout_is_terminal
 from tasks.recipes import SUBCOMMANDS, given_keys, recipe_path, with_default_config
 from tasks.resume import ResumeGuard, RunLock, parse_allowed, resume_settings
-from tasks.runtime import reuse_freed_memory
+from tasks.runtime import ThreadsFollowLoad, reuse_freed_memory
 
 EXPORT = "export"
 EVALUATION = ("validate", "test", "predict")
@@ -290,7 +290,7 @@ class SuiteCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs) -> Trainer:
         config = self.config_init.get(str(self.subcommand), self.config_init)
         trainer = config["trainer"]
-        callbacks = [*_as_list(trainer.get("callbacks")), *self._checkpoints(config["checkpoint"])]
+        callbacks = [*_as_list(trainer.get("callbacks")), *self._checkpoints(config["checkpoint"]), ThreadsFollowLoad()]
         if getattr(self, "resume_guard", None) is not None:
             callbacks.append(self.resume_guard)
         # `--trainer.enable_checkpointing false`, `--trainer.enable_progress_bar false` and

@@ -1,5 +1,6 @@
-"""Process-wide CPU memory setting that every entry point (the four CLIs, the benchmarks) applies
-before it builds anything.
+"""Process-wide CPU settings: the memory setting that every entry point (the four CLIs, the benchmarks)
+applies before it builds anything, and :class:`ThreadsFollowLoad`, the CLI's callback that gives a CPU
+run's threads back to other processes while they use its cores.
 
 glibc hands out each allocation above its mmap threshold (128 KiB, adapting up to 32 MiB) as a
 fresh mapping and unmaps it on free, so a training step's activations come back as new pages
@@ -20,6 +21,13 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import time
+
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_info
+
+from layers.machine import CpuPlan, OtherLoad, current_plan, threads_beside
 
 #: glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -36,8 +44,6 @@ def reuse_freed_memory() -> bool:
     if (os.environ.get("SUITE_SYSTEM_MALLOC") or os.environ.get("SUITE_CPU_SPEEDUPS", "1") == "0"
             or not sys.platform.startswith("linux")):
         return False
-    import torch
-
     if torch.cuda.is_available():
         return False
     try:
@@ -46,3 +52,46 @@ def reuse_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (e.g. musl)
         return False
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES))
+
+
+class ThreadsFollowLoad(Callback):
+    """While a rank trains on the CPU and loads in its main process, its torch threads follow the cores that
+    other processes leave free (:class:`layers.machine.OtherLoad`, sampled every ``interval_s`` seconds of
+    training): one thread fewer per core another process keeps busy, the plan's count again once it leaves.
+
+    Off where it cannot matter or must not: an accelerator, loader workers (their CPU time would look like
+    another process's), a single planned thread, a user's own thread count, ``--trainer.deterministic``
+    (a changed thread count may change the order of a float reduction), or no ``/proc/stat``."""
+
+    def __init__(self, interval_s: float = 2.0):
+        self.interval_s = interval_s
+        self.load: OtherLoad | None = None
+        self.plan: CpuPlan | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        plan = current_plan()
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        if (plan.accelerator != "cpu" or plan.workers or plan.threads < 2 or plan.threads_from != "auto"
+                or deterministic):
+            return
+        self.plan, self.load = plan, OtherLoad()
+        self.last_check = time.monotonic()
+        if not self.load.available:
+            self.load = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.load is None or time.monotonic() - self.last_check < self.interval_s:
+            return
+        self.last_check = time.monotonic()
+        others = self.load.sample()
+        if others is None:
+            return
+        threads = threads_beside(self.plan, others)
+        if threads != torch.get_num_threads():
+            rank_zero_info(f"torch threads {torch.get_num_threads()} -> {threads}: other processes use "
+                           f"{others:.1f} of this rank's {self.plan.cores} cores")
+            torch.set_num_threads(threads)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.plan is not None:
+            torch.set_num_threads(self.plan.threads)

@@ -137,3 +137,44 @@ def forget_exported_threads(monkeypatch):
     for name in ("OMP_NUM_THREADS", machine.PLANNED, "SUITE_THREADS"):
         monkeypatch.setenv(name, "1")  # recorded, so that it is restored
         monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("cores, others, threads", [(2, 0.0, 2), (2, 0.4, 2), (2, 0.7, 1), (2, 1.9, 1),
+                                                     (16, 3.2, 13), (16, 40.0, 1)])
+def test_threads_give_way_to_the_cores_other_processes_keep_busy(cores, others, threads):
+    assert machine.threads_beside(plan(cores, workers=0), others) == threads
+
+
+def test_other_load_counts_another_process_and_not_this_one():
+    import subprocess
+    import sys
+    import time
+
+    load = machine.OtherLoad()
+    if not load.available:
+        pytest.skip("no /proc/stat")
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:  # this process's own work is not another's
+        pass
+    assert load.sample() < 0.5
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"])
+    load.sample()
+    spinner.wait()
+    assert load.sample() > 0.5
+
+
+def test_threads_follow_load_only_where_it_may(monkeypatch):
+    from tasks.runtime import ThreadsFollowLoad
+
+    def started(chosen, deterministic=False):
+        monkeypatch.setattr(machine, "_applied", chosen)
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+        callback = ThreadsFollowLoad()
+        callback.on_train_start(None, None)
+        return callback.load is not None
+
+    assert started(plan(2)) == machine.OtherLoad().available
+    assert not started(plan(2), deterministic=True)  # a changed thread count may reorder a float reduction
+    assert not started(plan(16))  # loader workers' CPU time would look like another process's
+    assert not started(plan(16, accelerator="gpu", workers=0))
+    assert not started(plan(2, OMP_NUM_THREADS="2"))  # the user's count stays
