@@ -11,7 +11,8 @@ on device`` naming no path.
 ``<name>.tmp-<pid>`` in the destination's own folder, fsyncs it, and ``os.replace``-s it over the
 destination, then fsyncs the folder. Whatever happens before the rename, the previous file is
 intact; ``$TMPDIR`` is never used. A full disk names the path, the bytes the checkpoint needs
-and the bytes free there. A remote path (``s3://``, ``gs://``, ...) is written to the same
+and the bytes free there, whether it surfaces as ``ENOSPC`` or as the ``RuntimeError`` of torch's zip
+writer after a short write. A remote path (``s3://``, ``gs://``, ...) is written to the same
 temporary name on its own filesystem and moved there with fsspec (one upload is
 all-or-nothing on object stores; the move stays within that store).
 """
@@ -63,16 +64,64 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def disk_full_error(path: str | Path, checkpoint: dict, err: OSError) -> CheckpointDiskFull:
-    folder = Path(path).parent
+class _ByteCounter:
+    """A write-only file that keeps nothing and counts what is written to it."""
+
+    def __init__(self):
+        self.written = 0
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        self.written += size
+        return size
+
+    def flush(self) -> None:
+        pass
+
+
+def serialized_bytes(checkpoint: dict) -> int:
+    """What ``torch.save(checkpoint)`` writes, counted without keeping it (a failed save's size); the
+    tensors' bytes when it cannot be serialized."""
+    counter = _ByteCounter()
     try:
-        free = f"{shutil.disk_usage(folder).free:,} bytes free there"
+        torch.save(checkpoint, counter)
+    except Exception:
+        return tensor_bytes(checkpoint)
+    return counter.written
+
+
+def free_bytes(folder: Path) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
     except OSError:
-        free = "free space unknown"
+        return None
+
+
+def bytes_needed_on_full_disk(err: BaseException, folder: Path, checkpoint: dict) -> int | None:
+    """The bytes ``checkpoint`` needs when the failed save ``err`` ran out of space in ``folder``, else ``None``.
+
+    A full disk shows as ``ENOSPC``, or as the error torch's zip writer raises when a write comes up
+    short (``[enforce fail at inline_container.cc] unexpected pos``, a ``RuntimeError`` without an
+    errno): that one counts as a full disk when less than the checkpoint's size is free in ``folder``
+    now that the partial file is gone."""
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return serialized_bytes(checkpoint)
+    if isinstance(err, RuntimeError) and "inline_container" in str(err):
+        needed, free = serialized_bytes(checkpoint), free_bytes(folder)
+        if free is not None and free < needed:
+            return needed
+    return None
+
+
+def disk_full_error(path: str | Path, needed: int) -> CheckpointDiskFull:
+    path = Path(path)
+    free = free_bytes(path.parent)
+    previous = (f"the last good checkpoint at {path} is intact" if path.is_file()
+                else f"no partial file was left at {path}")
     return CheckpointDiskFull(
-        errno.ENOSPC, f"no space left on device writing checkpoint {path}: it needs about "
-        f"{tensor_bytes(checkpoint):,} bytes ({free}). Free space under {folder}, or point "
-        "--checkpoint.dirpath / --trainer.default_root_dir at a larger disk; the previous file there is intact")
+        errno.ENOSPC, f"no space left on device writing checkpoint {path}: it needs about {needed:,} bytes "
+        f"({'free space unknown' if free is None else f'{free:,} bytes free there'}). Free space under "
+        f"{path.parent}, or point --checkpoint.dirpath / --trainer.default_root_dir at a larger disk; {previous}")
 
 
 def save_atomically(checkpoint: dict, path: str | Path) -> None:
@@ -89,8 +138,9 @@ def save_atomically(checkpoint: dict, path: str | Path) -> None:
         os.replace(partial, path)
     except BaseException as err:  # an interrupt included: never leave a partial file behind
         Path(partial).unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-            raise disk_full_error(path, checkpoint, err) from err
+        needed = bytes_needed_on_full_disk(err, path.parent, checkpoint)
+        if needed is not None:
+            raise disk_full_error(path, needed) from err
         raise
     _fsync_folder(path.parent)
 

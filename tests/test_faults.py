@@ -2,6 +2,8 @@
 atomic writes (beside the destination, whatever $TMPDIR is; a kill or a full disk during the
 write leaves the previous file); batches the loss guard must tell apart. (The task promises themselves are proven on the real tasks in test_contract.py.)"""
 import errno
+import io
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -85,6 +87,57 @@ def test_failed_checkpoint_write_leaves_the_previous_file_intact(tmp_path, monke
     assert path.read_bytes() == before
     assert not any(".tmp-" in p.name for p in path.parent.iterdir())
     torch.load(path, weights_only=True)
+
+
+class FillingDisk(io.RawIOBase):
+    """A file on a disk with ``room`` bytes left: the write that reaches the end comes up short, the next
+    fails with ENOSPC, as on a full filesystem."""
+
+    def __init__(self, path, room: int):
+        self.file, self.room = open(path, "wb"), room
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        data = bytes(data)[: self.room]
+        self.file.write(data)
+        self.room -= len(data)
+        return len(data)
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
+
+@pytest.mark.parametrize("free", ["too little", "plenty"])
+def test_disk_filling_inside_torchs_zip_writer_is_named_as_a_full_disk(tmp_path, monkeypatch, free):
+    """torch's zip writer reports the short write of a full disk as ``RuntimeError: [enforce fail at
+    inline_container.cc] unexpected pos``: with less than the checkpoint's size free it is the same
+    disk-full error as ENOSPC; with enough free space it is not relabelled."""
+    t = trainer(tmp_path, plugins=[AtomicCheckpointIO()])
+    t.fit(PoisonedRegression(poison_step=-1), loader())
+    path = tmp_path / "ckpt" / "last.ckpt"
+    before = path.read_bytes()
+    monkeypatch.setattr(checkpoint_io, "open", lambda name, mode: FillingDisk(name, room=500), raising=False)
+    room = 100 if free == "too little" else 10 * len(before)
+    monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda folder: SimpleNamespace(free=room))
+    if free == "too little":
+        with pytest.raises(OSError, match=rf"no space left on device writing checkpoint {path}: it needs about "
+                                          rf"{len(before):,} bytes \(100 bytes free there\)\. Free space .*the last "
+                                          rf"good checkpoint at {path} is intact") as full:
+            t.save_checkpoint(path)
+        assert full.value.errno == errno.ENOSPC and "inline_container" in str(full.value.__cause__)
+    else:
+        with pytest.raises(RuntimeError, match="inline_container.*unexpected pos"):
+            t.save_checkpoint(path)
+    assert path.read_bytes() == before
+    assert not any(".tmp-" in p.name for p in path.parent.iterdir())
 
 
 def test_checkpoints_are_written_beside_their_destination_not_in_tmpdir(tmp_path, monkeypatch):
