@@ -35,6 +35,7 @@ from datamodules.images import (
     collate_skipping,
     entry_kind,
     guarded,
+    is_regular_file,
     predict_images,
     read_rgb,
 )
@@ -47,9 +48,21 @@ from layers.machine import AUTO, NumWorkers
 
 def class_folders(split_dir: Path) -> list[str]:
     """Sorted names of the class sub-folders of a split; hidden folders (``.ipynb_checkpoints``,
-    ``.git``) are tool droppings, not classes."""
+    ``.git``) are tool droppings, not classes. A link that leads nowhere (broken, or a loop) is an
+    error naming it: it may be a class folder whose target is gone, and that class would vanish."""
+    names = []
     with os.scandir(split_dir) as entries:  # the entries' types come with the listing: no stat per folder
-        return sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir())
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            kind = entry_kind(entry)
+            if kind == "folder":
+                names.append(entry.name)
+            elif kind in ("broken link", "link loop"):
+                raise FileNotFoundError(f"{entry.path} in the split folder {split_dir} is a {kind} "
+                                        f"(-> {os.readlink(entry.path)}): a class folder whose target is gone? "
+                                        "Fix the link, or remove it")
+    return sorted(names)
 
 
 def _checked_classes(split_dir: Path, classes: Sequence[str] | None) -> tuple[list[str], list[str]]:
@@ -80,7 +93,7 @@ def _image_names(folder: Path, skipped: SkippedFiles) -> list[str]:
             if name.startswith("."):
                 continue
             # the common case first, in two string tests and a type the listing already holds
-            if name.lower().endswith(IMAGE_EXTENSIONS) and entry.is_file():
+            if name.lower().endswith(IMAGE_EXTENSIONS) and is_regular_file(entry):
                 names.append(name)
                 continue
             kind = entry_kind(entry)  # what it is instead, or why it is left out

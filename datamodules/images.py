@@ -28,6 +28,7 @@ unreadable file with :class:`BadImageError` naming it; ``"skip"`` makes the data
 """
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -70,8 +71,9 @@ class SkippedFiles:
     """What one listing of image files left out, by reason, with the first few of each, reported once.
 
     Reasons (:data:`REASONS`): ``"file of another type"`` (an extension outside :data:`IMAGE_EXTENSIONS`,
-    e.g. ``.gif``, ``.heic``), ``"broken link"`` (a symlink to nothing), ``"unreadable entry"`` (it cannot
-    be examined, or is no regular file: a socket, a pipe). Hidden files are not counted.
+    e.g. ``.gif``, ``.heic``), ``"broken link"`` (a symlink to nothing), ``"link loop"`` (symlinks that
+    lead back to themselves), ``"unreadable entry"`` (it cannot be examined, or is no regular file: a
+    socket, a pipe). Hidden files are not counted.
 
     A caller that lists many folders as one (a class folder each) passes one instance to every
     :func:`list_images` / :func:`image_tree` call and calls :meth:`report` once at the end; without one,
@@ -79,7 +81,7 @@ class SkippedFiles:
 
     #: each reason, singular -> plural
     REASONS = {"file of another type": "files of other types", "broken link": "broken links",
-               "unreadable entry": "unreadable entries"}
+               "link loop": "link loops", "unreadable entry": "unreadable entries"}
     EXAMPLES = 3
 
     def __init__(self):
@@ -131,13 +133,21 @@ def entry_kind(entry: os.DirEntry) -> str:
         if entry.is_dir():  # follows links: a link to a folder is a folder
             return "folder"
         regular = entry.is_file()
-    except OSError:
-        return "unreadable entry"
+    except OSError as err:
+        return "link loop" if err.errno == errno.ELOOP else "unreadable entry"
     if regular:
         return "image" if os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS else "file of another type"
     if entry.is_symlink() and not os.path.exists(entry.path):
         return "broken link"
     return "unreadable entry"  # a socket, a pipe, a device
+
+
+def is_regular_file(entry: os.DirEntry) -> bool:
+    """``entry.is_file()``, with ``False`` for an entry that cannot be examined (a symlink loop raises)."""
+    try:
+        return entry.is_file()
+    except OSError:
+        return False
 
 
 def _listing(folder: Path, skipped: SkippedFiles) -> tuple[list[Path], list[Path]]:

@@ -410,3 +410,35 @@ def test_segmentation_layout_of_the_other_dataset_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"data\.root should be the VOC2012 folder itself: --data\.root "
                                                  f"{tmp_path / 'VOCdevkit' / 'VOC2012'}"):
         segment(tmp_path / "VOCdevkit").setup("fit")
+
+
+# -- 9. symbolic-link loops in a class folder or a split folder -------------------------------------------------
+@pytest.mark.parametrize("on_bad_image", ["fail", "skip"])
+def test_link_loops_in_a_class_folder_are_left_out_counted_and_named(tmp_path, on_bad_image):
+    """A link loop made the lister's bare ``OSError: Too many levels of symbolic links`` stop every run."""
+    root = imagefolder(tmp_path / "data")
+    (root / "train" / "a" / "loop.jpg").symlink_to("loop.jpg")  # named like an image: the lister's fast path
+    (root / "train" / "b" / "ping").symlink_to("pong")
+    (root / "train" / "b" / "pong").symlink_to("ping")
+    dm = classify(root, on_bad_image=on_bad_image)
+    with pytest.warns(UserWarning) as caught:
+        dm.setup("fit")
+    assert len(dm.train_set) == 4 and len(next(iter(dm.train_dataloader()))["image"]) == 4
+    (message,) = [str(w.message) for w in caught if "left out" in str(w.message)]
+    assert message.startswith(f"left out 3 entries of {root / 'train'} that are not read as images: 3 link loops (")
+    assert all(name in message for name in ("a/loop.jpg", "b/ping", "b/pong"))
+
+
+def test_link_loop_or_broken_link_in_a_split_folder_is_named(tmp_path):
+    """In the split folder a dead link may be a class whose folder is gone: that class would vanish."""
+    root = imagefolder(tmp_path / "data")
+    loop = root / "val" / "c"
+    loop.symlink_to("c")
+    with pytest.raises(FileNotFoundError, match=rf"{loop} in the split folder {root / 'val'} is a link loop \(-> c\): "
+                                                "a class folder whose target is gone"):
+        classify(root).setup("validate")
+    loop.unlink()
+    gone = root / "val" / "c"
+    gone.symlink_to(tmp_path / "elsewhere" / "c")
+    with pytest.raises(FileNotFoundError, match=rf"{gone} in the split folder .* is a broken link"):
+        classify(root).setup("validate")
