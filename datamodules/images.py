@@ -4,7 +4,8 @@ One decoder path (torchvision's libjpeg-turbo / libpng, PIL for the formats torc
 not decode), one list of image extensions, one rule for hidden files, one error that names
 the file, and one lister of the images ``predict`` reads (:func:`predict_images`). 16-bit
 images are scaled to 8 bits (``round(v / 257)``) instead of being clipped to white, as PIL's
-``convert("RGB")`` does.
+``convert("RGB")`` does. An image whose header declares more pixels than PIL's decompression-bomb
+limit (:func:`pixel_limit`) is refused before it is decoded, naming the file and the limit.
 
 Images come out upright: an EXIF orientation tag (a phone's portrait photo is stored landscape
 with tag 6) is applied, for files (:func:`read_rgb`) and for stored bytes
@@ -322,10 +323,76 @@ def _turn_upright(image: torch.Tensor, orientation: int) -> torch.Tensor:
     return torch.from_numpy(turned).permute(2, 0, 1)
 
 
+#: JPEG's start-of-frame markers, the segment that holds the image's size
+_JPEG_FRAMES = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def _jpeg_size(data: memoryview) -> tuple[int, int] | None:
+    """(width, height) from a JPEG's start-of-frame segment, reached by hopping over the segments before it."""
+    at = 2
+    while at + 9 <= len(data):
+        if data[at] != 0xFF:
+            return None
+        marker = data[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+        elif marker in _JPEG_FRAMES:
+            return int.from_bytes(data[at + 7:at + 9], "big"), int.from_bytes(data[at + 5:at + 7], "big")
+        elif marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            at += 2
+        else:
+            at += 2 + int.from_bytes(data[at + 2:at + 4], "big")
+    return None
+
+
+def header_size(data: memoryview) -> tuple[int, int] | None:
+    """(width, height) that a PNG, JPEG or WebP file's header declares, read without decoding (the
+    formats torchvision decodes; PIL checks the others itself); ``None`` for other or damaged headers."""
+    head = bytes(data[:32])
+    if head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR":
+        return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+    if head[:2] == b"\xff\xd8":
+        return _jpeg_size(data)
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP" and len(head) >= 30:
+        chunk = head[12:16]
+        if chunk == b"VP8X":
+            return 1 + int.from_bytes(head[24:27], "little"), 1 + int.from_bytes(head[27:30], "little")
+        if chunk == b"VP8 ":
+            return int.from_bytes(head[26:28], "little") & 0x3FFF, int.from_bytes(head[28:30], "little") & 0x3FFF
+        if chunk == b"VP8L":
+            bits = int.from_bytes(head[21:25], "little")
+            return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    return None
+
+
+def pixel_limit() -> int | None:
+    """The most pixels an image may have: where PIL refuses a file as a decompression bomb (twice
+    ``PIL.Image.MAX_IMAGE_PIXELS``, about 179 million by default); ``None`` when that is switched off."""
+    from PIL import Image
+
+    return None if Image.MAX_IMAGE_PIXELS is None else 2 * int(Image.MAX_IMAGE_PIXELS)
+
+
+def check_pixel_count(encoded: torch.Tensor, where: Path | str) -> None:
+    """Refuse, before decoding, an image whose header declares more than :func:`pixel_limit` pixels: a
+    few hundred kilobytes of PNG can decode into gigabytes (torchvision's decoders have no such limit)."""
+    limit = pixel_limit()
+    size = None if limit is None else header_size(memoryview(encoded.numpy()))
+    if size is None or size[0] * size[1] <= limit:
+        return
+    width, height = size
+    raise BadImageError(where, f"it is {width}x{height} = {width * height:,} pixels ({3 * width * height / 2**30:.1f} "
+                               f"GiB decoded), over the limit of {limit:,} pixels (twice PIL.Image.MAX_IMAGE_PIXELS, "
+                               "where PIL refuses decompression bombs). Downscale the file, or raise "
+                               "PIL.Image.MAX_IMAGE_PIXELS if images this large are meant")
+
+
 def _decode(encoded: torch.Tensor, where: Path | str) -> torch.Tensor:
-    """(3, H, W) uint8 RGB, upright, of an image file's bytes (a 1-D uint8 tensor); ``where`` names it in errors."""
+    """(3, H, W) uint8 RGB, upright, of an image file's bytes (a 1-D uint8 tensor); ``where`` names it in errors.
+    An image over :func:`pixel_limit` is refused before it is decoded."""
     from torchvision.io import ImageReadMode, decode_image
 
+    check_pixel_count(encoded, where)
     orientation = _stored_orientation(encoded)
     try:
         # where no tag was found in the head, torchvision still applies one it finds (a late PNG chunk)

@@ -442,3 +442,47 @@ def test_link_loop_or_broken_link_in_a_split_folder_is_named(tmp_path):
     gone.symlink_to(tmp_path / "elsewhere" / "c")
     with pytest.raises(FileNotFoundError, match=rf"{gone} in the split folder .* is a broken link"):
         classify(root).setup("validate")
+
+
+# -- 10. decompression bombs: more pixels than PIL's limit are refused before decoding ------------------------
+def png_header(width: int, height: int) -> bytes:
+    """The start of a PNG declaring ``width`` x ``height`` 8-bit gray pixels (its pixel data cut off)."""
+    import struct
+    import zlib
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+
+
+def test_a_png_declaring_twenty_thousand_squared_pixels_names_the_file_and_the_limit(tmp_path):
+    """The issue's 388 KB PNG of 20000x20000 pixels (3 GB decoded) is refused from its header at PIL's default limit."""
+    from datamodules.images import read_rgb
+
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(png_header(20000, 20000) + bytes(1000))
+    with pytest.raises(BadImageError, match=rf"cannot read image {bomb}: it is 20000x20000 = 400,000,000 pixels "
+                                            r"\(1.1 GiB decoded\), over the limit of 178,956,970 pixels \(twice "
+                                            r"PIL.Image.MAX_IMAGE_PIXELS"):
+        read_rgb(bomb)
+
+
+@pytest.mark.parametrize("suffix", [".png", ".jpg", ".webp"])
+@pytest.mark.parametrize("on_bad_image", ["fail", "skip"])
+def test_images_over_the_pixel_limit_fail_naming_file_and_limit_or_are_skipped_and_counted(tmp_path, monkeypatch,
+                                                                                          suffix, on_bad_image):
+    """A real image over a lowered limit goes through the datamodule's reader: an error naming it and the
+    limit, or under ``skip`` a counted skip; images under the limit are read as before."""
+    import PIL.Image
+
+    root = imagefolder(tmp_path / "data")
+    big = write_image((root / "val" / "b" / "big").with_suffix(suffix), size=(40, 50))
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 900)  # limit 1,800 pixels: 8x8 passes, 50x40 does not
+    dm = classify(root, on_bad_image=on_bad_image)
+    dm.setup("validate")
+    if on_bad_image == "fail":
+        with pytest.raises(BadImageError, match=rf"{big}: it is 50x40 = 2,000 pixels .*over the limit of 1,800 pixels"):
+            list(dm.val_dataloader())
+        return
+    batches = list(dm.val_dataloader())  # [a/0, a/1, b/0, b/1], [b/big]: the second is only its count
+    assert [b["skipped"] for b in batches] == [0, 1] and batches[1] == {"skipped": 1}
+    assert len(batches[0]["image"]) == 4
