@@ -23,11 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from lightning.pytorch import Callback
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {
@@ -40,18 +43,28 @@ VARIANTS = {
 CLEARED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "SUITE_THREADS",
            "SUITE_PLANNED_THREADS")
 
-LOAD_CHILD = """
-import sys, time
-from datamodules.coco import CocoDataModule
-data = CocoDataModule(**{k: v for k, v in __import__('yaml').safe_load(open(sys.argv[1]))['data'].items()})
-data.setup('fit')
-loader = iter(data.train_dataloader())
-next(loader)
-best = float('inf')
-for _ in range(int(sys.argv[2])):
-    start = time.perf_counter(); next(loader); best = min(best, time.perf_counter() - start)
-print(best)
-"""
+class DemoTimer(Callback):
+    """Times training steps ``warmup`` .. the last, and the main process's wait for each of their batches (the
+    gap between one step's end and the next one's start: loading, as the demo loads in its main process).
+    Writes ``{"steps_s": ..., "batch_ms": median wait}`` to ``output``."""
+
+    def __init__(self, output: str, warmup: int = 5):
+        self.output, self.warmup = output, warmup
+        self.start = self.batch_end = None
+        self.waits = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.warmup:
+            self.start = time.perf_counter()
+        if self.start is not None and self.batch_end is not None:
+            self.waits.append(time.perf_counter() - self.batch_end)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batch_end = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        Path(self.output).write_text(json.dumps({"steps_s": time.perf_counter() - self.start,
+                                                 "batch_ms": 1000 * statistics.median(self.waits)}))
 
 
 def child_env(variant: str) -> dict:
@@ -61,41 +74,30 @@ def child_env(variant: str) -> dict:
     return env
 
 
-def time_steps(variant: str, args, work: Path) -> float:
-    """Seconds of ``args.steps`` demo training steps after ``args.warmup``."""
+def time_demo(variant: str, args, work: Path) -> dict:
+    """Seconds of ``args.steps`` demo training steps after ``args.warmup``, and the median batch wait."""
     out = work / f"{variant}.json"
     out.unlink(missing_ok=True)
     command = [sys.executable, "-m", "tasks.detect", "fit", "--trainer.logger", "false",
                "--trainer.max_steps", str(args.warmup + args.steps), "--trainer.limit_val_batches", "0",
                "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
-               "--trainer.default_root_dir", str(work / variant), "--trainer.callbacks+=gpu_fit.StepTimer",
+               "--trainer.default_root_dir", str(work / variant), "--trainer.callbacks+=bench_threads.DemoTimer",
                "--trainer.callbacks.init_args.output", str(out), "--trainer.callbacks.init_args.warmup", str(args.warmup)]
     proc = subprocess.run(command, cwd=work, env=child_env(variant), capture_output=True, text=True)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"{variant}: the demo fit failed:\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())["seconds"]
-
-
-def time_batch(variant: str, args, work: Path) -> float:
-    """Seconds of the fastest of ``args.load_batches`` training batches loaded in the main process."""
-    recipe = REPO / "configs/detect/demo_ssdlite_mobilevitv2.yaml"
-    proc = subprocess.run([sys.executable, "-c", LOAD_CHILD, str(recipe), str(args.load_batches)], cwd=work,
-                          env=child_env(variant), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{variant}: loading failed:\n{proc.stderr[-3000:]}")
-    return float(proc.stdout.strip().splitlines()[-1])
+    return json.loads(out.read_text())
 
 
 def measure(variant: str, busy: bool, args, work: Path) -> dict:
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
-        steps = min(time_steps(variant, args, work) for _ in range(args.repeats))
-        batch = min(time_batch(variant, args, work) for _ in range(args.repeats))
+        best = min((time_demo(variant, args, work) for _ in range(args.repeats)), key=lambda r: r["steps_s"])
     finally:
         if spinner is not None:
             spinner.kill()
             spinner.wait()
-    return {"variant": variant, "busy": busy, "steps_s": steps, "batch_ms": batch * 1000}
+    return {"variant": variant, "busy": busy, **best}
 
 
 def markdown(rows: list[dict], args) -> str:
@@ -103,7 +105,7 @@ def markdown(rows: list[dict], args) -> str:
     lines = [f"`python benchmarks/bench_threads.py {' '.join(args.argv)}` ({os.cpu_count()} cores, "
              f"{time.strftime('%Y-%m-%d')}; best of {args.repeats})", "",
              f"| variant | {args.steps} steps quiet s | beside a busy process s | busy / quiet | busy / suite quiet "
-             "| one batch quiet ms | busy ms |",
+             "| batch wait quiet ms | busy ms |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     reference = by.get(("suite", False), {}).get("steps_s")
     for variant in args.variants:
@@ -120,7 +122,6 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--load-batches", type=int, default=10)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--output", type=Path, default=Path(__file__).with_name("results_threads.md"))
     args = p.parse_args(argv)
