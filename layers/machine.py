@@ -62,7 +62,8 @@ class CpuPlan:
     def describe(self) -> str:
         """One line for the run's start-up output."""
         share = f"{self.cores} cores" + (f" ({self.ranks_on_node} ranks on this node)" if self.ranks_on_node > 1 else "")
-        threads = f"{self.threads} torch threads" + ("" if self.threads_from == AUTO else f" ({self.threads_from})")
+        threads = f"{self.threads} torch thread{'s' if self.threads > 1 else ''}" + \
+            ("" if self.threads_from == AUTO else f" ({self.threads_from})")
         workers = (f"{self.workers} loader worker{'s' if self.workers > 1 else ''}" if self.workers
                    else "loading in the main process") + \
             (" (auto)" if self.workers_from == AUTO else "")
