@@ -4,7 +4,8 @@
   a missing, truncated, foreign or other task's file naming it, before Lightning fails without
   the path.
 - :class:`LatestCheckpoint` writes ``last.ckpt`` on its own schedule, beside the ModelCheckpoint
-  that keeps the best checkpoints on the task's metric (see :mod:`tasks.cli`).
+  that keeps the best checkpoints on the task's metric (see :mod:`tasks.cli`), and refuses a fit
+  that would overwrite the ``last.ckpt`` of an earlier fit in its run root without resuming it.
 """
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ class LatestCheckpoint(Checkpoint):
         self.dirpath = Path(dirpath)
         self.every_n_train_steps = int(every_n_train_steps or 0)
         self._saved_step = -1
+        self._root_checked = False
 
     @property
     def path(self) -> Path:
@@ -93,6 +95,36 @@ class LatestCheckpoint(Checkpoint):
             self._saved_step = trainer.global_step
         return self.path
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._root_checked = False
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # strategies that restore after setup (FSDP, DeepSpeed) have not named the resumed checkpoint yet
+        if not trainer.strategy.restore_checkpoint_after_setup:
+            self.refuse_overwriting_another_fit(trainer)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.refuse_overwriting_another_fit(trainer)
+
+    def refuse_overwriting_another_fit(self, trainer: Trainer) -> None:
+        """Stop a fit that would overwrite the ``last.ckpt`` of an earlier fit in the same run root.
+
+        A fit that resumes (``--ckpt_path``) continues that run, and one whose own callback wrote the file
+        (a second ``trainer.fit`` in one process) goes on; any other would replace the earlier run's
+        latest state, its only way to resume, and mix its checkpoints with the new run's. Rank 0's
+        view decides for every rank, so all stop together."""
+        if self._root_checked:
+            return
+        self._root_checked = True
+        if trainer.ckpt_path is not None or trainer.fast_dev_run or self._saved_step >= 0:
+            return
+        if not trainer.strategy.broadcast(self.path.is_file(), src=0):
+            return
+        raise FileExistsError(
+            f"{self.path} holds the last checkpoint of an earlier fit in this run root{describe_checkpoint(self.path)};"
+            f" this fit would overwrite it. To continue that run, add --ckpt_path last; to start a new one, give it "
+            f"its own --trainer.default_root_dir (or delete {self.dirpath} to start over in this one).")
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         if (self.every_n_train_steps > 0 and trainer.global_step % self.every_n_train_steps == 0
                 and not validation_or_epoch_end_follows(trainer, batch_idx)):  # written after it instead
@@ -103,6 +135,20 @@ class LatestCheckpoint(Checkpoint):
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.save(trainer)
+
+
+def describe_checkpoint(path: Path) -> str:
+    """`` (epoch E, global step S, written <time>)`` of a checkpoint file, as far as it can be read."""
+    import time
+
+    import torch
+
+    written = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return f" (epoch {saved['epoch']}, global step {saved['global_step']}, written {written})"
+    except Exception:  # unreadable or foreign: its time still tells which run it is
+        return f" (written {written})"
 
 
 def validation_or_epoch_end_follows(trainer: Trainer, batch_idx: int) -> bool:

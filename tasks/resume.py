@@ -27,7 +27,11 @@ class is refused even so: its saved state belongs to the old one.
 :class:`RunLock` is ``<trainer.default_root_dir>/fit.lock``: the pid, host and SLURM job of the
 ``fit`` using that run root. A second ``fit`` there refuses, naming them; the file is removed at
 exit, and one left by a dead process on the same host (or by an earlier incarnation of the same
-SLURM job, requeued onto another node) is taken over.
+SLURM job, requeued onto another node) is taken over. A run root holds one run after the other too:
+a later ``fit`` there without ``--ckpt_path`` is refused before it trains, as it would overwrite the
+earlier run's ``last.ckpt`` (:class:`tasks.checkpoints.LatestCheckpoint`); ``--ckpt_path last`` (the
+pre-emption message's command, the requeue script's) continues that run. :func:`make_run_root`
+creates the folder, naming a file that stands in its way.
 """
 from __future__ import annotations
 
@@ -204,6 +208,21 @@ class RunInUse(RuntimeError):
     """Another ``fit`` is using the run root."""
 
 
+def make_run_root(root: str | Path) -> Path:
+    """Create the run root folder (``trainer.default_root_dir``) if needed; a file in its place, or in
+    place of a folder above it, is an error naming it instead of ``mkdir``'s bare ``FileExistsError``."""
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        in_the_way = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), root)
+        raise NotADirectoryError(
+            f"trainer.default_root_dir={root} cannot be a run folder: {in_the_way} is a file. The run root holds "
+            "the checkpoints, logs and predictions; give --trainer.default_root_dir a folder path (it is created), "
+            "or move the file away") from None
+    return root
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -243,7 +262,7 @@ class RunLock:
         return self.me["job"] is not None and holder.get("job") == self.me["job"]
 
     def acquire(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_run_root(self.root)
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
