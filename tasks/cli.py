@@ -62,7 +62,7 @@ from tasks.checkpoints import LAST_NAME, LatestCheckpoint, check_checkpoint_file
 from tasks.preemption import Preemption, resume_command
 from tasks.progress import LineProgress, stdout_is_terminal
 from tasks.recipes import SUBCOMMANDS, given_keys, recipe_path, with_default_config
-from tasks.resume import ResumeGuard, RunLock, parse_allowed, resume_settings
+from tasks.resume import ResumeGuard, RunLock, make_run_root, parse_allowed, resume_settings
 from tasks.runtime import ThreadsFollowLoad, reuse_freed_memory
 
 EXPORT = "export"
@@ -252,7 +252,7 @@ class SuiteCLI(LightningCLI):
                 continue
             key = "save_dir" if "save_dir" in init_args or not "root_dir" in init_args else "root_dir"
             if init_args.get(key) in (None, ".", "", "lightning_logs"):
-                Path(config.trainer.default_root_dir).mkdir(parents=True, exist_ok=True)
+                make_run_root(config.trainer.default_root_dir)
                 init_args[key] = config.trainer.default_root_dir
 
     def _link_wandb_runs(self, config) -> None:

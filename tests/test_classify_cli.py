@@ -77,9 +77,13 @@ def check_worst_and_cost(predictions: Path, rows: list[dict], metrics: dict, che
 
 
 @pytest.mark.slow
-def test_second_run_in_the_same_directory_does_not_abort(run_cli):
-    run_cli("classify", "fit", *TINY, "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "1")
-    run_cli("classify", "fit", *TINY, "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "1")
+def test_a_second_fit_in_the_same_directory_is_refused_unless_it_resumes(run_cli):
+    short = [*TINY, "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "1"]
+    run_cli("classify", "fit", *short)
+    again = run_cli("classify", "fit", *short, check=False)  # would train afresh over the first run's last.ckpt
+    assert again.returncode != 0 and "--ckpt_path last" in again.stderr
+    resumed = run_cli("classify", "fit", *short, "--ckpt_path", "last", "--trainer.max_epochs", "2")
+    assert "last checkpoint:" in resumed.stdout + resumed.stderr
 
 
 def test_missing_root_is_reported_with_the_expected_layout(run_cli, tmp_path):
