@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -53,6 +54,8 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
     root = Path(args.root or f"runs/bench-{args.task}")
     curve = root / "curve.json"
+    # each measurement is a fresh fit: an earlier one's last.ckpt would make the suite refuse it (one fit per root)
+    shutil.rmtree(root / "checkpoints", ignore_errors=True)
     task = importlib.import_module(f"tasks.{args.task}")
     common = [f"--trainer.default_root_dir={root}"]
     fit_args = ["fit", *common, f"--trainer.callbacks+={__name__}.CurveRecorder",
