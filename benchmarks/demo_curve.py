@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 import time
