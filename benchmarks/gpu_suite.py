@@ -1,4 +1,4 @@
-"""GPU suite (issue 17): training-step throughput of every task's network, one command.
+"""GPU suite: training-step and inference throughput of every task's network beside its peer, one command.
 
     python benchmarks/gpu_suite.py                  # CUDA machine: the whole suite (time-budgeted, < 10 min)
     python benchmarks/gpu_suite.py --tiny           # CPU smoke run at toy sizes, < 1 min (tests/test_gpu_suite.py)
@@ -14,7 +14,9 @@ link from the dataset (class count, vocabulary) is the suite's (it loads no data
 task's training step in a plain loop, in ``bf16-mixed`` and ``16-mixed``, with and without
 ``channels_last`` and ``torch.compile``; the same sizes run through the peers in the same process
 (timm ``mobilevitv2_050/100``, torchvision ``ssdlite320_mobilenet_v3_large`` and
-``deeplabv3_mobilenet_v3_large``, random weights: nothing is downloaded).
+``deeplabv3_mobilenet_v3_large``, Hugging Face ``MarianMTModel`` configured to the translation
+recipe's dimensions -- post-norm, sinusoidal positions, ReLU, shared and tied embeddings, SDPA --
+random weights: nothing is downloaded).
 
 What is measured: the *training step throughput of the network* -- forward, loss, backward,
 gradient clipping where the recipe clips, the recipe's optimizer step with the task's parameter
@@ -30,10 +32,16 @@ and per-token translation (with the recipe's label smoothing), the segmentation 
 loss with its auxiliary head where the recipe has one (the peer: per-pixel cross-entropy); for SSDLite, mean square of the class logits + mean square of the box regression
 (the SSD loss needs matched boxes), for ours and the torchvision peer alike. Both detectors run
 their network only (torchvision's resize/normalise transform and its loss are bypassed).
-For the three networks the MobileViTv2 paper gives V100 throughputs for (MobileViTv2-1.0 at
-256, SSDLite-MobileViTv2-0.5 at 320, DeepLabv3-MobileViTv2-0.75 at 512), inference images/s is
-measured too (eval mode, ``torch.no_grad``, same batch, same autocast) and the paper's number
-is printed beside it.
+Inference of the paper recipes is timed at the MobileViTv2 paper's protocol (its Tables 2-4:
+batch 128 for classification at 256 and SSDLite at 320, batch 32 for DeepLabv3 at 512; 10
+warm-up then 50 timed iterations, never cut short), in eval mode, ``torch.no_grad``, the row's
+autocast: the *network only* -- logits, or SSDLite's class logits and box regression, or the
+segmentation logits at the head's resolution (torchvision's DeepLabv3 as well: its forward's final
+upsampling is left out). The postprocess column times, on those outputs, what turns them into
+predictions: SSDLite's decoding and class-wise NMS (ours: the head's ``postprocess``;
+torchvision's: ``postprocess_detections``), segmentation's bilinear upsampling to the input and
+argmax (10 timed after 2 warm-up). The paper's V100 images/s is printed beside ours. Translation
+times the teacher-forced forward (target tokens/s) at the recipe's batch.
 
 Compilation is the task's own ``--model.compile`` (``TaskModule.configure_model``, :mod:`layers.compile`):
 ``network`` compiles each sub-network whole (backbone, head; encoder, decoder), ``regional`` only the
@@ -49,11 +57,14 @@ settings (bf16-mixed, the recipe's channels_last), eager with one setting change
 the paper recipes' own settings, eager with both changed, compiled demo recipes, the remaining
 compiled variants; paper recipes before demo ones, ours next to its peer. A run whose estimated
 end lies past ``--budget-s`` (default 420 s) is not started and is listed as skipped;
-``--budget-s 0`` runs everything. The files are rewritten after every run, so an interrupted
-suite leaves a valid table.
+``--budget-s 0`` runs everything. Compiled runs keep a place in the budget: eager runs may use
+only ``1 - --compiled-share`` of it (default 0.4) when compiled runs are planned. Estimates are
+the mean seconds of the runs of the same kind (eager, compiled) measured so far. The files are
+rewritten after every run, so an interrupted suite leaves a valid table.
 
 ``--tiny``: the same networks on CPU at toy sizes (2 images of 32 px, 2 sentences of 8 tokens,
-at most 2,000 words of vocabulary), 1 warm-up + 2 timed steps, 1 torch thread, each recipe in
+at most 2,000 words of vocabulary; inference at the same batch, 1 warm-up + 1 timed), 1 warm-up + 2
+timed training steps, 1 torch thread, each recipe in
 its own layout (``--channels-last recipe``), no compilation unless ``--compile off network regional``;
 16-mixed rows are skipped with a note (fp16 autocast with GradScaler is a GPU setting). It
 exists so that the suite cannot rot (``tests/test_gpu_suite.py``); its numbers mean nothing.
@@ -62,8 +73,9 @@ Outputs (``--output``, default ``benchmarks/gpu_results/``; ``--tiny``: its ``ti
 ``gpu_suite.md`` (one Markdown table) and ``gpu_suite.json`` (every row, the loss curve
 subsampled, the settings and the machine).
 
-The suite needs the project's own requirements (torch, PyYAML, jsonargparse); torchvision and timm
-give the peers (their rows are skipped with a note if missing), triton is needed for compiled rows on CUDA.
+The suite needs the project's own requirements (torch, PyYAML, jsonargparse); torchvision, timm and
+transformers (the project's ``bench`` extra) give the peers (their rows are skipped with a note if
+missing), triton is needed for compiled rows on CUDA.
 """
 from __future__ import annotations
 
@@ -73,6 +85,7 @@ import datetime
 import gc
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import platform
@@ -123,6 +136,7 @@ class Recipe:
     tokens: int = 0           # translation: tokens per source and per target sentence
     timm: str | None = None   # classification peer: timm's name of the same network
     paper_v100: float | None = None  # MobileViTv2 paper, V100 images/s
+    paper_batch: int | None = None   # the paper's inference batch for that number
     note: str = ""            # shown on our rows
     size_note: str = ""       # about the full sizes (dropped by --tiny)
     tiny: bool = False        # toy sizes for the CPU smoke run (see :func:`tiny`)
@@ -169,6 +183,16 @@ class Recipe:
         return {"class_names": [str(i) for i in range(self.num_classes)]}
 
     @property
+    def infer_batch(self) -> int:
+        """Inference batch: the paper's for its throughput rows, else the training batch."""
+        return 2 if self.tiny else (self.paper_batch or self.batch)
+
+    @property
+    def times_inference(self) -> bool:
+        """The paper recipes' rows time inference (the paper's protocol for its three networks)."""
+        return self.name == "paper"
+
+    @property
     def unit(self) -> str:
         return "tok/s" if self.task == "translate" else "img/s"
 
@@ -187,20 +211,20 @@ RECIPES: list[Recipe] = [
     Recipe("classify", "demo", "configs/classify/demo_mobilevitv2.yaml", "MobileViTv2-0.5", "timm mobilevitv2_050",
            num_classes=10, timm="mobilevitv2_050"),
     Recipe("classify", "paper", "configs/classify/imagenet_mobilevitv2_100.yaml", "MobileViTv2-1.0",
-           "timm mobilevitv2_100", num_classes=1000, timm="mobilevitv2_100", paper_v100=2351),
+           "timm mobilevitv2_100", num_classes=1000, timm="mobilevitv2_100", paper_v100=2351, paper_batch=128),
     Recipe("detect", "demo", "configs/detect/demo_ssdlite_mobilevitv2.yaml", "SSDLite-MobileViTv2-0.5",
            "torchvision ssdlite320_mobilenet_v3_large", num_classes=10),
     Recipe("detect", "paper", "configs/detect/coco_ssdlite_mobilevitv2_050.yaml", "SSDLite-MobileViTv2-0.5",
-           "torchvision ssdlite320_mobilenet_v3_large", num_classes=80, paper_v100=2782),
+           "torchvision ssdlite320_mobilenet_v3_large", num_classes=80, paper_v100=2782, paper_batch=128),
     Recipe("segment", "demo", "configs/segment/demo_deeplabv3_mobilevitv2.yaml", "DeepLabv3-MobileViTv2-0.5",
            "torchvision deeplabv3_mobilenet_v3_large", num_classes=11),
     Recipe("segment", "paper", "configs/segment/ade20k_deeplabv3_mobilevitv2_075.yaml", "DeepLabv3-MobileViTv2-0.75",
-           "torchvision deeplabv3_mobilenet_v3_large", num_classes=150, paper_v100=241,
+           "torchvision deeplabv3_mobilenet_v3_large", num_classes=150, paper_v100=241, paper_batch=32,
            note="ADE20k recipe at width 0.75 (the paper's throughput row), random init"),
     Recipe("translate", "demo", "configs/translate/demo_transformer.yaml", "Transformer 256/2+2", None, tokens=16,
            size_note="512 tokens per side = data.max_tokens"),
-    Recipe("translate", "paper", "configs/translate/wmt14_en_de_transformer_base.yaml", "Transformer base", None,
-           tokens=32, size_note="3,104 tokens per side ~ data.max_tokens 3125"),
+    Recipe("translate", "paper", "configs/translate/wmt14_en_de_transformer_base.yaml", "Transformer base",
+           "HF MarianMTModel (same dimensions)", tokens=32, size_note="3,104 tokens per side ~ data.max_tokens 3125"),
 ]
 
 
@@ -274,22 +298,36 @@ class TimmPeer(nn.Module):
 
 
 class TorchvisionSSDLite(nn.Module):
-    """torchvision's SSDLite320-MobileNetV3-Large network (backbone + head), no transform, no loss."""
+    """torchvision's SSDLite320-MobileNetV3-Large network (backbone + head), no transform, no loss;
+    :meth:`postprocess` is its decoding and NMS."""
 
     def __init__(self, num_classes: int):
         super().__init__()
         from torchvision.models.detection import ssdlite320_mobilenet_v3_large
 
-        model = ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=num_classes + 1)
-        self.backbone, self.head = model.backbone, model.head
+        self.model = ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=num_classes + 1)
+        self.backbone, self.head = self.model.backbone, self.model.head
+        self._anchors: tuple | None = None
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.head(list(self.backbone(images).values()))
+        features = list(self.backbone(images).values())
+        out = self.head(features)
+        if self._anchors is None or self._anchors[0] != images.shape:  # computed once per input shape, as ours
+            from torchvision.models.detection.image_list import ImageList
+
+            image_list = ImageList(images, [tuple(images.shape[-2:])] * len(images))
+            self._anchors = (images.shape, self.model.anchor_generator(image_list, features))
         return out["cls_logits"], out["bbox_regression"]
+
+    def postprocess(self, outputs, image_size: tuple[int, int]) -> list[dict[str, torch.Tensor]]:
+        cls_logits, bbox_regression = outputs
+        head = {"cls_logits": cls_logits.float(), "bbox_regression": bbox_regression.float()}
+        return self.model.postprocess_detections(head, self._anchors[1], [image_size] * len(cls_logits))
 
 
 class TorchvisionDeepLab(nn.Module):
-    """torchvision's DeepLabv3-MobileNetV3-Large (random weights, no aux head); upsamples to the input itself."""
+    """torchvision's DeepLabv3-MobileNetV3-Large (random weights, no aux head); upsamples to the input itself,
+    which :meth:`network` (the logits at the head's resolution) leaves out."""
 
     def __init__(self, num_classes: int):
         super().__init__()
@@ -301,10 +339,53 @@ class TorchvisionDeepLab(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)["out"]
 
+    def network(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model.classifier(self.model.backbone(images)["out"])
+
+
+#: the architecture MarianMTModel has, as our translation task's arguments (recipe values that differ: no peer)
+MARIAN_ARCHITECTURE = {"pre_norm": False, "learned_positions": False, "share_embeddings": True,
+                       "encoder_attention": "mha"}
+
+
+class MarianPeer(nn.Module):
+    """Hugging Face's ``MarianMTModel`` at our translation model's dimensions, random weights: the same
+    architecture as the recipe's Transformer (post-norm blocks, sinusoidal positions scaled embeddings,
+    ReLU feed-forward, one embedding shared by encoder, decoder and output projection), SDPA attention."""
+
+    def __init__(self, recipe: Recipe):
+        super().__init__()
+        from transformers import MarianConfig, MarianMTModel
+
+        from tasks.translate import TranslationTask
+
+        model = recipe.config["model"]  # the recipe's dimensions; special ids as our task's defaults
+        ids = {name: parameter.default for name, parameter in inspect.signature(TranslationTask).parameters.items()
+               if name in ("pad_id", "bos_id", "eos_id", "label_smoothing")}
+        self.pad_id, self.label_smoothing = ids["pad_id"], model.get("label_smoothing", ids["label_smoothing"])
+        config = MarianConfig(
+            vocab_size=recipe.data_links["vocab_size"], d_model=model["dim"], encoder_layers=model["encoder_depth"],
+            decoder_layers=model["decoder_depth"], encoder_attention_heads=model["num_heads"],
+            decoder_attention_heads=model["num_heads"], encoder_ffn_dim=model["ffn_dim"],
+            decoder_ffn_dim=model["ffn_dim"], activation_function="relu", dropout=model.get("dropout", 0.1),
+            attention_dropout=model.get("attention_dropout", 0.0),
+            activation_dropout=model.get("activation_dropout", 0.0),
+            max_position_embeddings=recipe.data_links["max_positions"], scale_embedding=True,
+            pad_token_id=ids["pad_id"], decoder_start_token_id=ids["bos_id"], eos_token_id=ids["eos_id"],
+            share_encoder_decoder_embeddings=True, tie_word_embeddings=True)
+        config._attn_implementation = "sdpa"
+        self.model = MarianMTModel(config)
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        # the synthetic batches hold no padding: no attention mask, as ours takes none then
+        return self.model(input_ids=src, decoder_input_ids=tgt_in).logits
+
 
 def build_network(recipe: Recipe, kind: str) -> nn.Module:
     if kind == "ours":
         return build_task(recipe)
+    if recipe.task == "translate":
+        return MarianPeer(recipe)
     if recipe.task == "classify":
         dropout = recipe.config["model"].get("head_dropout", 0.0)
         return TimmPeer(recipe.timm, recipe.num_classes, dropout)
@@ -315,10 +396,12 @@ def build_network(recipe: Recipe, kind: str) -> nn.Module:
     raise ValueError(f"{recipe.task} has no peer")
 
 
-def make_batch(recipe: Recipe, device: torch.device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-    """(network inputs, targets) of one synthetic batch; seeded, so every variant sees the same one."""
+def make_batch(recipe: Recipe, device: torch.device, batch: int | None = None
+               ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """(network inputs, targets) of one synthetic batch of ``batch`` items (default: the recipe's training
+    batch); seeded, so every variant sees the same one."""
     gen = torch.Generator().manual_seed(0)
-    b, s = recipe.batch, recipe.size
+    b, s = batch or recipe.batch, recipe.size
     if recipe.task == "translate":
         vocab = recipe.data_links["vocab_size"]
         src, tgt_in, tgt_out = (torch.randint(4, vocab, (b, s), generator=gen) for _ in range(3))
@@ -404,6 +487,7 @@ def base_row(run: Run) -> dict:
         "note": "; ".join(filter(None, [r.note, r.size_note])) if run.kind == "ours" else "",
         "params_m": None, "warmup_steps": 0, "warmup_s": None, "steps": 0, "train_s": None, "train_per_s": None,
         "peak_mem_mb": None, "loss_first": None, "loss_last": None, "loss_curve": [], "infer_per_s": None,
+        "infer_batch": None, "postprocess_per_s": None, "seconds": None, "build_s": None, "infer_s": None,
         "paper_v100_infer": r.paper_v100 if run.kind == "ours" else None,
     }
 
@@ -419,7 +503,14 @@ def skip_reason(run: Run, device: torch.device, args) -> str | None:
         return "torch.compile on CPU needs a C++ compiler"
     if run.kind == "peer" and run.recipe.task == "classify" and importlib.util.find_spec("timm") is None:
         return "timm not installed (peer)"
-    if run.kind == "peer" and importlib.util.find_spec("torchvision") is None:
+    if run.kind == "peer" and run.recipe.task == "translate":
+        if importlib.util.find_spec("transformers") is None:
+            return "transformers not installed (the peer; pip install -e '.[bench]')"
+        model = run.recipe.config["model"]
+        differs = {k: model.get(k) for k, marian in MARIAN_ARCHITECTURE.items() if model.get(k, marian) != marian}
+        if differs:
+            return f"MarianMTModel has no equivalent of the recipe's {differs}"
+    elif run.kind == "peer" and importlib.util.find_spec("torchvision") is None:
         return "torchvision not installed (peer)"
     return None
 
@@ -438,6 +529,7 @@ def measure(run: Run, args, device: torch.device) -> dict:
     recipe = run.recipe
     try:
         torch.manual_seed(0)
+        began = time.perf_counter()
         model = build_network(recipe, run.kind).to(device)
         row["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 3)
         if run.kind == "ours":  # the task's own set-up: memory format of weights and inputs, compilation
@@ -468,6 +560,7 @@ def measure(run: Run, args, device: torch.device) -> dict:
             scaler.update()
             return loss.detach()
 
+        row["build_s"] = round(time.perf_counter() - began, 2)
         model.train()
         losses = []
         # compiled SSDLite recompiles once, on its second call (the anchor cache is filled on the first)
@@ -502,9 +595,12 @@ def measure(run: Run, args, device: torch.device) -> dict:
         if not all(math.isfinite(v) for v in (row["loss_first"], row["loss_last"])):
             row["note"] = "; ".join(filter(None, [row["note"], "non-finite loss"]))
 
-        if recipe.paper_v100 is not None and (run.compile == "off" or args.infer_compiled):
-            row["infer_per_s"] = infer_rate(model, inputs, dtype, args, device) * recipe.batch
-        elif recipe.paper_v100 is not None:
+        del inputs, target, losses
+        if recipe.times_inference and (run.compile == "off" or args.infer_compiled):
+            began = time.perf_counter()
+            row.update(infer_rates(model, run, dtype, args, device))
+            row["infer_s"] = round(time.perf_counter() - began, 2)
+        elif recipe.times_inference:
             row["note"] = "; ".join(filter(None, [row["note"], "inference: eager rows only (--infer-compiled)"]))
         row["status"] = "ok"
     except Exception as error:
@@ -521,23 +617,61 @@ def release(device: torch.device) -> None:
     torch.compiler.reset()
 
 
-def infer_rate(model: nn.Module, inputs, dtype, args, device: torch.device) -> float:
-    """Batches per second in eval mode, no grad, same autocast."""
+def network_only(model: nn.Module, run: Run):
+    """The part of the network the paper's throughput counts: segmentation stops at the head's logits
+    (the upsampling to the input is postprocessing); the others are their forward."""
+    if run.recipe.task != "segment":
+        return model
+    if run.kind == "peer":
+        return model.network
+    return lambda images: model.head(model.backbone(model.to_memory_format(images)))["out"]
+
+
+def postprocess(model: nn.Module, run: Run):
+    """What turns the network's outputs into predictions (None: nothing to time)."""
+    size = (run.recipe.size, run.recipe.size)
+    if run.recipe.task == "detect":
+        if run.kind == "peer":
+            return lambda outputs: model.postprocess(outputs, size)
+        return lambda outputs: model.head.postprocess(*outputs, image_size=size)  # (logits, boxes, anchors)
+    if run.recipe.task == "segment":
+        return lambda logits: F.interpolate(logits, size=size, mode="bilinear", align_corners=False).argmax(1)
+    return None
+
+
+def timed_rate(fn, warmup: int, steps: int, device: torch.device) -> float:
+    """Calls per second of ``fn()`` over ``steps`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync(device)
+    return steps / (time.perf_counter() - start)
+
+
+def infer_rates(model: nn.Module, run: Run, dtype, args, device: torch.device) -> dict:
+    """Inference at the paper's protocol: items per second of the network alone and of its postprocessing,
+    at the recipe's inference batch, in eval mode, no grad, the row's autocast."""
+    recipe = run.recipe
+    inputs, _ = make_batch(recipe, device, recipe.infer_batch)
+    if run.channels_last:
+        inputs = tuple(x.contiguous(memory_format=torch.channels_last) for x in inputs)
+    network, finish = network_only(model, run), postprocess(model, run)
+    items = recipe.infer_batch * (recipe.size if recipe.task == "translate" else 1)
     model.eval()
-    with torch.no_grad(), torch.autocast(device.type, dtype=dtype):
-        for _ in range(args.infer_warmup):
-            model(*inputs)
-        sync(device)
-        start, n = time.perf_counter(), 0
-        while n < args.infer_steps:
-            model(*inputs)
-            n += 1
-            if args.max_run_seconds and time.perf_counter() - start > args.max_run_seconds / 2:
-                break
-        sync(device)
-        seconds = time.perf_counter() - start
-    model.train()
-    return n / seconds
+    try:
+        with torch.no_grad(), torch.autocast(device.type, dtype=dtype):
+            rate = timed_rate(lambda: network(*inputs), args.infer_warmup, args.infer_steps, device)
+            result = {"infer_per_s": rate * items, "infer_batch": recipe.infer_batch, "postprocess_per_s": None}
+            if finish is not None:
+                outputs = network(*inputs)
+                rate = timed_rate(lambda: finish(outputs), args.postprocess_warmup, args.postprocess_steps, device)
+                result["postprocess_per_s"] = rate * items
+    finally:
+        model.train()
+    return result
 
 
 # --------------------------------------------------------------------------------------------------
@@ -567,7 +701,7 @@ def peer_ratio(row: dict, rows: list[dict]) -> float | None:
 
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
-        "# GPU suite (issue 17)",
+        "# GPU suite",
         "",
         f"`{meta['command']}`",
         "",
@@ -579,15 +713,21 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"- steps: {meta['warmup']} untimed warm-up steps (they include compilation), then up to {meta['steps']} "
         f"timed ones" + (f", timing stopped after {meta['max_run_seconds']:g} s" if meta["max_run_seconds"] else "")
         + f"; time budget: {str(meta['budget_s']) + ' s' if meta['budget_s'] else 'none'}",
-        "- infer: eval mode, no grad, same batch and autocast; *paper V100*: MobileViTv2 paper's throughput for "
-        "that network (measured on a V100; compare with the infer column, not train)",
+        f"- infer: the network alone at the paper's protocol (inference batch in the column, "
+        f"{meta['infer_warmup']} warm-up then {meta['infer_steps']} timed batches), eval mode, no grad, the row's "
+        "autocast; segmentation up to the head's logits; *postprocess*: decoding + NMS (detection) or upsampling "
+        f"to the input + argmax (segmentation) of those outputs ({meta['postprocess_warmup']} warm-up, "
+        f"{meta['postprocess_steps']} timed); *paper V100*: MobileViTv2 paper's throughput for that network "
+        "(measured on a V100; compare with the infer column, not train)",
         "- ours/peer: training throughput ratio against the peer row of the same variant (> 1: ours faster)",
     ]
     lines += [
         "",
         "| task | recipe | network | params M | batch x input | precision | ch.last | compile | steps "
-        "| train | peak GPU MB | loss first → last | infer | paper V100 infer | ours/peer | note |",
-        "| --- | --- | --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |",
+        "| train | peak GPU MB | loss first → last | infer batch | infer | postprocess | paper V100 infer | ours/peer "
+        "| s | note |",
+        "| --- | --- | --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: "
+        "| ---: | ---: | --- |",
     ]
     for row in rows:
         ok = row["status"] == "ok"
@@ -602,8 +742,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {row['steps'] if ok else '-'} | {fmt(row['train_per_s']) + ' ' + unit if ok else '-'} "
             f"| {fmt(row['peak_mem_mb'])} "
             f"| {loss} "
-            f"| {fmt(row['infer_per_s']) + ' img/s' if row['infer_per_s'] else '-'} | {fmt(row['paper_v100_infer'])} "
-            f"| {'-' if ratio is None else f'{ratio:.2f}'} | {note.replace('|', '/')} |"
+            f"| {row['infer_batch'] or '-'} | {fmt(row['infer_per_s']) + ' ' + unit if row['infer_per_s'] else '-'} "
+            f"| {fmt(row['postprocess_per_s']) + ' ' + unit if row['postprocess_per_s'] else '-'} "
+            f"| {fmt(row['paper_v100_infer'])} "
+            f"| {'-' if ratio is None else f'{ratio:.2f}'} | {fmt(row['seconds'])} | {note.replace('|', '/')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -660,6 +802,41 @@ def check_env() -> int:
 # --------------------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------------------
+class Budget:
+    """Whether a run may start: one whose estimated end lies past the budget is skipped; eager runs may use
+    only ``1 - compiled_share`` of it when compiled runs are planned, so those keep their place. A run's
+    estimate is the mean wall seconds of the runs of its kind (eager, compiled) so far; the first guesses
+    are the first GPU run's: ~23 s per eager run (the row's steps plus its model build and cuDNN's
+    algorithm search), a compiled run ~25 s more for compilation."""
+
+    FIRST_GUESS = {"eager": 23.0, "compiled": 48.0}
+
+    def __init__(self, budget_s: float, compiled_share: float, any_compiled: bool):
+        self.budget_s = budget_s
+        self.eager_s = budget_s * (1 - compiled_share) if any_compiled else budget_s
+        self.seen: dict[str, list[float]] = {"eager": [], "compiled": []}
+
+    @staticmethod
+    def kind(run: Run) -> str:
+        return "eager" if run.compile == "off" else "compiled"
+
+    def estimate(self, run: Run) -> float:
+        seen = self.seen[self.kind(run)]
+        return sum(seen) / len(seen) if seen else self.FIRST_GUESS[self.kind(run)]
+
+    def refuses(self, run: Run, elapsed: float) -> str | None:
+        if not self.budget_s:
+            return None
+        limit = self.eager_s if self.kind(run) == "eager" else self.budget_s
+        if elapsed + self.estimate(run) <= limit:
+            return None
+        share = " (the eager runs' share)" if limit < self.budget_s else ""
+        return f"time budget (--budget-s {self.budget_s:g}{share}: ~{self.estimate(run):.0f} s more would end past it)"
+
+    def record(self, run: Run, seconds: float) -> None:
+        self.seen[self.kind(run)].append(seconds)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: toy sizes, 1 warm-up + 2 timed steps")
@@ -681,7 +858,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="stop a run's timing after this many seconds (default 4; --tiny: no limit; 0: none)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no run that would end past this many seconds (default 420; --tiny: none; 0: none)")
-    p.add_argument("--infer-steps", type=int, default=None, help="timed inference batches (default 50; --tiny 1)")
+    p.add_argument("--infer-steps", type=int, default=None, help="timed inference batches (default 50, the "
+                                                                  "paper's; --tiny 1)")
+    p.add_argument("--infer-warmup", type=int, default=None, help="untimed inference batches (default 10; --tiny 1)")
+    p.add_argument("--compiled-share", type=float, default=0.4,
+                   help="share of --budget-s kept for compiled runs when any are planned (eager runs use the rest)")
     p.add_argument("--infer-compiled", action="store_true",
                    help="also time inference in compiled rows (recompiles each network for eval mode)")
     p.add_argument("--device", default=None, help="default: cuda if available; --tiny: cpu")
@@ -691,14 +872,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"default {DEFAULT_OUTPUT.relative_to(REPO)}/ (--tiny: its tiny/ folder)")
     args = p.parse_args(argv)
     gpu_defaults = dict(channels_last=["off", "on"], compile=list(COMPILES), steps=200, warmup=10,
-                        max_run_seconds=4.0, budget_s=420.0, infer_steps=50, output=DEFAULT_OUTPUT)
+                        max_run_seconds=2.0, budget_s=420.0, infer_steps=50, infer_warmup=10, output=DEFAULT_OUTPUT)
     tiny_defaults = dict(channels_last=["recipe"], compile=["off"], steps=2, warmup=1, max_run_seconds=0.0,
-                         budget_s=0.0, infer_steps=1,
+                         budget_s=0.0, infer_steps=1, infer_warmup=1,
                          output=DEFAULT_OUTPUT / "tiny")
     for key, value in (tiny_defaults if args.tiny else gpu_defaults).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.infer_warmup = 1 if args.tiny else 5
+    args.postprocess_warmup, args.postprocess_steps = (1, 1) if args.tiny else (2, 10)
     args.compile = sorted({"network" if v == "on" else v for v in args.compile}, key=COMPILES.index)
     return args
 
@@ -753,31 +934,38 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device.type == "cuda" else None,
         "steps": args.steps, "warmup": args.warmup, "max_run_seconds": args.max_run_seconds,
+        "infer_warmup": args.infer_warmup, "infer_steps": args.infer_steps, "compiled_share": args.compiled_share,
+        "postprocess_warmup": args.postprocess_warmup, "postprocess_steps": args.postprocess_steps,
         "budget_s": args.budget_s, "tiny": args.tiny, "measured": MEASURED, "loss": LOSSES,
         "recipes": {f"{r.task} {r.name}": r.source for r in RECIPES}, "wall_s": 0.0,
     }
     print(f"{len(runs)} runs on {meta['device_name']}; output {args.output}", flush=True)
     rows: dict[int, dict] = {id(run): base_row(run) for run in runs}
     start = time.perf_counter()
-    compile_estimate = 60.0
+    budget = Budget(args.budget_s, args.compiled_share, any(run.compile != "off" for run in runs))
     for i, run in enumerate(sorted(runs, key=Run.priority), 1):
-        elapsed = time.perf_counter() - start
-        estimate = 3.0 + (args.max_run_seconds or 0) * 1.5 + (compile_estimate if run.compile != "off" else 0)
-        if args.budget_s and elapsed + estimate > args.budget_s:
+        refused = budget.refuses(run, time.perf_counter() - start)
+        if refused:
             row = base_row(run)
-            row.update(status="skipped", note=f"time budget (--budget-s {args.budget_s:g})")
+            row.update(status="skipped", note=refused)
         else:
+            began = time.perf_counter()
             row = measure(run, args, device)
             release(device)
-            if run.compile != "off" and row["warmup_s"]:
-                compile_estimate = max(compile_estimate * 0.5, row["warmup_s"])
+            if row["status"] != "skipped":
+                row["seconds"] = round(time.perf_counter() - began, 1)
+            if row["status"] == "ok":
+                budget.record(run, row["seconds"])
         rows[id(run)] = row
         what = f"{run.recipe.task} {run.recipe.name} {run.network} {run.precision} " \
                f"cl={'on' if run.channels_last else 'off'} compile={run.compile}"
         if row["status"] == "ok":
             result = (f"{fmt(row['train_per_s'])} {row['unit']} ({row['steps']} steps), peak "
                       f"{fmt(row['peak_mem_mb'])} MB, loss {row['loss_first']:.4g} -> {row['loss_last']:.4g}"
-                      + (f", infer {fmt(row['infer_per_s'])} img/s" if row["infer_per_s"] else ""))
+                      + (f", infer {fmt(row['infer_per_s'])} {row['unit']} at batch {row['infer_batch']}"
+                         if row["infer_per_s"] else "")
+                      + (f", postprocess {fmt(row['postprocess_per_s'])} {row['unit']}" if row["postprocess_per_s"]
+                         else "") + f"; {row['seconds']} s")
         else:
             result = f"{row['status']}: {row['note']}"
         print(f"[{i}/{len(runs)} {time.perf_counter() - start:5.0f}s] {what}: {result}", flush=True)
