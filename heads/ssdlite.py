@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 from torchvision.ops import batched_nms, box_convert
 
 from heads.anchors import SSDAnchorGenerator
@@ -123,6 +124,7 @@ class SSDLiteHead(nn.Module):
         self.topk_candidates = topk_candidates
         self.nms_threshold = nms_threshold
         self.detections_per_image = detections_per_image
+        self._pixel_scales: dict[tuple, torch.Tensor] = {}
         self.reset_parameters()
 
     @staticmethod
@@ -160,7 +162,7 @@ class SSDLiteHead(nn.Module):
     @torch.no_grad()
     def assign_targets(self, targets: Sequence[dict[str, torch.Tensor]], anchors: torch.Tensor,
                        image_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Match anchors to each image's boxes.
+        """Match anchors to each image's boxes, the whole batch at once (boxes padded to the longest list).
 
         Args:
             targets: per image ``{"boxes": (G, 4) x1y1x2y2 in input pixels, "labels": (G,) in 0..num_classes-1}``.
@@ -168,29 +170,38 @@ class SSDLiteHead(nn.Module):
             image_size: ``(height, width)`` of the network input.
 
         Returns:
-            ``(labels (B, A) long with 0 = background and k + 1 for class k, box codes (B, A, 4) float32)``.
+            ``(labels (B, A) long with 0 = background and k + 1 for class k, box codes (B, A, 4) float32)``;
+            the codes of background anchors are those of the image's first box (zeros without one).
         """
-        height, width = image_size
-        scale = anchors.new_tensor([width, height, width, height])
-        anchor_boxes = box_convert(anchors, "cxcywh", "xyxy")
-        all_labels, all_codes = [], []
-        for target in targets:
-            boxes = target["boxes"].float() / scale
-            matches = self.matcher(boxes, anchor_boxes)
-            matched = matches.clamp(min=0)
-            labels = torch.where(matches >= 0, target["labels"].long()[matched] + 1 if len(boxes) else 0,
-                                 torch.zeros_like(matches))
-            codes = (self.box_coder.encode(boxes[matched], anchors) if len(boxes)
-                     else torch.zeros_like(anchors))
-            all_labels.append(labels)
-            all_codes.append(codes)
-        return torch.stack(all_labels), torch.stack(all_codes)
+        batch, num_anchors = len(targets), anchors.shape[0]
+        # padding label -1 marks the padded boxes; labels are >= 0
+        labels = pad_sequence([t["labels"].long() for t in targets], batch_first=True, padding_value=-1)
+        if labels.shape[1] == 0:
+            return (torch.zeros(batch, num_anchors, dtype=torch.long, device=anchors.device),
+                    anchors.new_zeros(batch, num_anchors, 4, dtype=torch.float32))
+        boxes = pad_sequence([t["boxes"].float() for t in targets], batch_first=True)
+        boxes = boxes / self._pixels_per_unit(image_size, boxes.device)  # (B, G, 4) normalised
+        matches = self.matcher(boxes, box_convert(anchors, "cxcywh", "xyxy"), gt_valid=labels >= 0)  # (B, A)
+        matched = matches.clamp(min=0)
+        target_labels = torch.where(matches >= 0, labels.gather(1, matched) + 1, 0)
+        codes = self.box_coder.encode(boxes.gather(1, matched[..., None].expand(-1, -1, 4)), anchors)
+        has_boxes = labels[:, :1, None] >= 0
+        return target_labels, torch.where(has_boxes, codes, 0.0)
+
+    def _pixels_per_unit(self, image_size: tuple[int, int], device: torch.device) -> torch.Tensor:
+        """``(width, height, width, height)`` on ``device``, made once per size (a copy to a GPU waits)."""
+        key = (tuple(int(v) for v in image_size), str(device))
+        if key not in self._pixel_scales:
+            height, width = key[0]
+            self._pixel_scales[key] = torch.tensor([width, height, width, height], dtype=torch.float32).to(device)
+        return self._pixel_scales[key]
 
     def loss(self, cls_logits: torch.Tensor, box_regression: torch.Tensor, target_labels: torch.Tensor,
              target_codes: torch.Tensor) -> dict[str, torch.Tensor]:
         """Multibox loss: smooth L1 on positive anchors plus cross-entropy on positives and the
         ``neg_pos_ratio`` times as many hardest negatives per image, both summed and divided by the
-        number of positives in the batch. Computed in float32 even under autocast.
+        number of positives in the batch. Computed in float32 even under autocast, over the whole
+        batch with masks (no data-dependent shapes, so a GPU computes it without the host waiting).
 
         Shapes: ``cls_logits (B, A, C + 1)``, ``box_regression (B, A, 4)``, ``target_labels (B, A)``,
         ``target_codes (B, A, 4)``. Returns ``{"loss", "loss_cls", "loss_box"}`` (scalars) and
@@ -202,19 +213,24 @@ class SSDLiteHead(nn.Module):
             num_positive = positive.sum()
             normaliser = num_positive.clamp(min=1).float()
 
-            loss_box = F.smooth_l1_loss(box_regression[positive], target_codes[positive].float(), reduction="sum")
+            box_loss = F.smooth_l1_loss(box_regression, target_codes.float(), reduction="none").sum(dim=-1)
+            loss_box = torch.where(positive, box_loss, 0.0).sum()
 
             ce = F.cross_entropy(cls_logits.transpose(1, 2), target_labels, reduction="none")  # (B, A)
-            # hard-negative mining: rank negatives by their loss, keep ratio x positives per image
-            with torch.no_grad():
-                background_loss = -F.log_softmax(cls_logits, dim=-1)[..., 0]
-                background_loss[positive] = -torch.inf
-                rank = background_loss.argsort(dim=1, descending=True).argsort(dim=1)
-                num_negative = (positive.sum(dim=1, keepdim=True) * self.neg_pos_ratio).long()
-                negative = rank < num_negative
-            loss_cls = ce[positive | negative].sum()
+            negative = self.hard_negatives(ce.detach(), positive)
+            loss_cls = torch.where(positive | negative, ce, 0.0).sum()
         return {"loss": (loss_box + loss_cls) / normaliser, "loss_cls": loss_cls / normaliser,
                 "loss_box": loss_box / normaliser, "num_positive": num_positive}
+
+    def hard_negatives(self, ce: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+        """(B, A) bool: per image, the ``neg_pos_ratio`` x positives background anchors with the highest
+        loss. ``ce`` (B, A) is each anchor's cross-entropy; a background anchor's is its background loss."""
+        background_loss = ce.masked_fill(positive, -torch.inf)
+        order = background_loss.argsort(dim=1, descending=True)
+        positions = torch.arange(order.shape[1], device=order.device).expand_as(order)
+        rank = torch.empty_like(order).scatter_(1, order, positions)  # each anchor's place in its image's order
+        num_negative = (positive.sum(dim=1, keepdim=True) * self.neg_pos_ratio).long()
+        return rank < num_negative
 
     # -- inference --------------------------------------------------------------------------------
     @torch.no_grad()
