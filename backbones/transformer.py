@@ -93,11 +93,17 @@ class TransformerEncoder(nn.Module):
         self.norm = nn.LayerNorm(dim) if pre_norm else nn.Identity()
         init_transformer_weights(self.layers)
 
-    def forward(self, src: Tensor) -> tuple[Tensor, Tensor]:
-        """src (B, S) ids, padded with ``pad_id`` after the tokens -> (memory (B, S, D), padding (B, S) bool)."""
+    def forward(self, src: Tensor, padded: bool | None = None) -> tuple[Tensor, Tensor]:
+        """src (B, S) ids, padded with ``pad_id`` after the tokens -> (memory (B, S, D), padding (B, S) bool).
+
+        ``padded``: whether any row of ``src`` is padded, from a caller that knows it without reading
+        the device (a batch collated on the host); ``None`` reads it from ``src``, which on a GPU makes
+        the host wait. Without padding no mask is passed, which lets SDPA use its fused kernels."""
         padding = src.eq(self.pad_id)
         x = self.embed(src)
-        mask = padding if padding.any() else None  # no mask lets SDPA use its fused kernels
+        if padded is None:
+            padded = bool(padding.any())
+        mask = padding if padded else None
         for layer in self.layers:
             x = layer(x, mask)
         return self.norm(x), padding

@@ -190,7 +190,9 @@ class TransformerDecoder(nn.Module):
         """tgt (N, T) ids, K hypotheses per sentence in consecutive rows (N = K * sentences; K = 1
         for teacher forcing); with ``cache``, only the new positions (usually T = 1), which are
         appended to it. memory (sentences, S, D), may be None once ``cache`` holds its keys/values;
-        memory_padding_mask (sentences, S) True = pad. Returns logits (N, T, V)."""
+        memory_padding_mask (sentences, S) True = pad, or None when no sentence is padded: it is applied
+        as given (deciding from its values would make the host wait for a GPU), so a caller that knows
+        there is no padding passes None and the attention takes its unmasked kernels. Returns logits (N, T, V)."""
         if memory is not None and tgt.shape[0] % memory.shape[0]:
             raise ValueError(f"{tgt.shape[0]} target rows are not a whole number of hypotheses for each of "
                              f"the {memory.shape[0]} sentences of the memory")
@@ -199,8 +201,7 @@ class TransformerDecoder(nn.Module):
         if cache is not None and cache.cross_attn[0].key is not None:
             memory_bias = cache.memory_bias  # of the memory projected at an earlier step
         else:
-            has_padding = memory_padding_mask is not None and bool(memory_padding_mask.any())
-            memory_bias = padding_bias(memory_padding_mask, x.dtype) if has_padding else None
+            memory_bias = None if memory_padding_mask is None else padding_bias(memory_padding_mask, x.dtype)
             if cache is not None:
                 cache.memory_bias = memory_bias
         for i, layer in enumerate(self.layers):

@@ -26,7 +26,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import sacrebleu
 import torch
@@ -45,8 +45,9 @@ from tasks.base import TaskModule
 
 
 def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: float, ignore_index: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Summed label-smoothed loss and summed NLL over non-pad targets, and their count.
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed label-smoothed loss and summed NLL over non-pad targets, and their count: 0-d
+    tensors, masked rather than selected, so a GPU computes them without the host waiting.
 
     logits (B, T, V), target (B, T). The smoothed target puts ``1 - eps`` on the
     reference and spreads ``eps`` uniformly over the vocabulary (Szegedy et al.; what
@@ -57,7 +58,7 @@ def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: floa
     nll = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     smooth = -log_probs.mean(dim=-1)
     loss = (1.0 - epsilon) * nll + epsilon * smooth
-    return loss[keep].sum(), nll[keep].sum(), int(keep.sum())
+    return torch.where(keep, loss, 0.0).sum(), torch.where(keep, nll, 0.0).sum(), keep.sum()
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,16 +164,31 @@ class TranslationTask(Predictor, TaskModule):
         tokens = torch.full((1, length), self.eos_id, dtype=torch.long)
         return tokens, tokens.clone()
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        """Teacher forcing: src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
-        memory, padding = self.encoder(src)
-        return self.decoder(tgt_in, memory, padding)
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_padded: bool | None = None) -> torch.Tensor:
+        """Teacher forcing: src (B, S), tgt_in (B, T) -> logits (B, T, V). ``src_padded``: whether any
+        source row is padded, when known on the host (a batch's ``src_padded``); ``None`` reads it from ``src``."""
+        padded = self.has_padding(src) if src_padded is None else src_padded
+        memory, padding = self.encoder(src, padded)
+        return self.decoder(tgt_in, memory, padding if padded else None)
+
+    def has_padding(self, src: torch.Tensor) -> bool:
+        """Whether any row of ``src`` (B, S) is padded (on a GPU the host waits to read it)."""
+        return bool(src.eq(self.pad_id).any())
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # the batch is still on the host here: knowing whether a source is padded is free, and the
+        # forward then chooses its attention kernels without reading the device
+        if isinstance(batch, dict) and torch.is_tensor(batch.get("src")):
+            batch["src_padded"] = self.has_padding(batch["src"])
+        return batch
 
     @torch.no_grad()
-    def translate(self, src: torch.Tensor, beam_size: int | None = None) -> Hypotheses:
-        """src (B, S) padded ids -> best hypotheses (token ids ending in eos)."""
+    def translate(self, src: torch.Tensor, beam_size: int | None = None, src_padded: bool | None = None) -> Hypotheses:
+        """src (B, S) padded ids -> best hypotheses (token ids ending in eos); ``src_padded`` as in :meth:`forward`."""
         beam_size = self.beam_size if beam_size is None else beam_size
-        memory, padding = self.encoder(src)
+        padded = self.has_padding(src) if src_padded is None else src_padded
+        memory, padding = self.encoder(src, padded)
+        padding = padding if padded else None
         limit = self.max_positions - 1  # the decoder also sees bos
         max_len = max_output_lengths(src.ne(self.pad_id).sum(dim=1), self.max_len_a, self.max_len_b, limit)
         ids = dict(bos_id=self.bos_id, eos_id=self.eos_id, pad_id=self.pad_id)
@@ -230,23 +246,25 @@ class TranslationTask(Predictor, TaskModule):
 
     # -- training --------------------------------------------------------------------------------
     def training_loss(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        logits = self(batch["src"], batch["tgt_in"])
-        loss_sum, nll_sum, n = label_smoothed_nll(logits, batch["tgt_out"], self.label_smoothing, self.pad_id)
-        n = max(n, 1)
+        logits = self(batch["src"], batch["tgt_in"], batch.get("src_padded"))
+        loss_sum, nll_sum, tokens = label_smoothed_nll(logits, batch["tgt_out"], self.label_smoothing, self.pad_id)
+        n = tokens.clamp(min=1)
         loss = loss_sum / n
-        self.log("train/loss", loss, prog_bar=True, batch_size=n)
-        self.log("train/ppl", math.exp(min(nll_sum.item() / n, 50.0)), batch_size=n)
-        self.log("train/target_tokens", float(n), reduce_fx="sum", on_step=False, on_epoch=True)
+        # tensors, logged per step: Lightning reads them when it writes the logs, not here
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/ppl", (nll_sum / n).clamp(max=50.0).exp())
+        self.log("train/target_tokens", tokens.float(), reduce_fx="sum", on_step=False, on_epoch=True)
         return loss
 
     # -- evaluation ------------------------------------------------------------------------------
     def _eval_step(self, batch: dict, stage: str) -> None:
-        logits = self(batch["src"], batch["tgt_in"])
+        logits = self(batch["src"], batch["tgt_in"], batch.get("src_padded"))
         loss_sum, nll_sum, n = label_smoothed_nll(logits, batch["tgt_out"], self.label_smoothing, self.pad_id)
         if n:
             self.eval_losses[stage].update(loss_sum / n, weight=n)
             self.eval_nll.update(nll_sum / n, weight=n)
-        hyps = self.tokenizer.decode(self.translate(batch["src"]).tokens.tolist())
+        hypotheses = self.translate(batch["src"], src_padded=batch.get("src_padded"))
+        hyps = self.tokenizer.decode(hypotheses.tokens.tolist())
         self._rows += zip(batch["index"].tolist(), batch["src_text"], batch["tgt_text"], hyps)
 
     def _eval_epoch_end(self, stage: str) -> dict[str, float]:
