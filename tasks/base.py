@@ -9,6 +9,7 @@ import math
 import random
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,6 +50,64 @@ def set_rng_states(states: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
+def zero_loss(module: nn.Module) -> torch.Tensor:
+    """A zero loss that reaches every trainable parameter of ``module`` (DDP's gradient all-reduce
+    waits for all of them)."""
+    return sum(p.sum() for p in module.parameters() if p.requires_grad) * 0.0
+
+
+def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` can skip its update on the device (:func:`skip_update_on_device`):
+    torch's fused optimizers declare it with the flag gradient scalers check."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def skip_update_on_device(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None) -> None:
+    """Make the next ``optimizer.step()`` of a fused torch optimizer leave parameters, state and step
+    count unchanged where ``skip`` (a 0-d bool tensor on the parameters' device) is true, decided by
+    the kernel without the host reading ``skip``; ``None`` removes the condition. This is the
+    ``found_inf`` attribute a gradient scaler sets before such a step (torch.amp.GradScaler.step);
+    torch has no public argument for it, and ``tests/test_host_sync.py`` checks that each fused
+    optimizer still honours it."""
+    if skip is None:
+        vars(optimizer).pop("found_inf", None)
+        return
+    optimizer.found_inf = skip.float()
+
+
+@dataclass
+class LossVerdict:
+    """One training batch's loss verdict on its way to the host: ``values`` holds (finite, usable,
+    loss); from a GPU it is a pinned copy made without waiting, readable once the event ``copied``
+    (recorded right after the loss, ahead of the backward) has passed."""
+
+    step: int
+    epoch: int
+    batch: int
+    values: torch.Tensor
+    copied: Any = None
+
+    @classmethod
+    def copy(cls, step: int, epoch: int, batch: int, values: torch.Tensor) -> "LossVerdict":
+        if values.device.type != "cuda":  # on the host already (other accelerators: a plain copy)
+            return cls(step, epoch, batch, values.cpu())
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(step, epoch, batch, host, copied)
+
+    def ready(self) -> bool:
+        return self.copied is None or self.copied.query()
+
+    def read(self) -> tuple[bool, bool, float]:
+        """(finite on every rank, usable on every rank, this rank's loss); waits for the copy only."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        finite, usable, loss = self.values.tolist()
+        return finite > 0, usable > 0, loss
+
+
 class SharedFactory:
     """A stateless factory (the optimizer/scheduler callable LightningCLI injects) that copies
     of the module share instead of duplicating. EMAWeightAveraging deep-copies the whole
@@ -73,8 +132,10 @@ class TaskModule(LightningModule):
       :attr:`DATA_LINKS`) are saved as hyper-parameters, so ``validate``/``test``/``predict
       --ckpt_path X`` and ``Task.load_from_checkpoint(X)`` rebuild the exact model.
     - :meth:`training_step` runs the task's :meth:`training_loss` and guards it: a non-finite
-      loss stops the run (or skips and counts the step) before the optimizer step on every rank,
-      and a batch whose images were all unreadable (``{"skipped": n}``) is skipped the same way.
+      loss on any rank makes that step's optimizer update a no-op on every rank, and then stops
+      the run before any later checkpoint (or skips and counts the step); a batch whose images
+      were all unreadable (``{"skipped": n}``) is skipped the same way. The verdict is reached on
+      the device, so a training step never makes the host wait for the GPU (:meth:`guard_loss`).
     - Evaluation losses are sample-weighted means over the whole split (:meth:`log_eval_loss`),
       so the logged and written numbers are the same under 1 and N processes.
     - A checkpoint evaluated on a dataset whose classes / category ids / vocabulary differ from
@@ -91,8 +152,8 @@ class TaskModule(LightningModule):
             blocks) and runs the rest eagerly; ``true`` or ``"network"`` compiles each sub-network
             whole. The first step that meets a new graph pays its compilation; it is logged.
         on_nonfinite_loss: ``"raise"`` stops the run at a NaN/inf loss, naming the step and
-            batch, before the optimizer step can write non-finite weights; ``"skip"`` skips that
-            step on every rank and counts it (``train/skipped_nonfinite_steps``).
+            batch; that step's update is never applied and no later checkpoint is written.
+            ``"skip"`` skips that step on every rank and counts it (``train/skipped_nonfinite_steps``).
         num_worst_examples: `test` writes this many lowest-scored samples (with their overlays)
             under ``predictions/worst/``; 0 writes none.
     """
@@ -114,7 +175,10 @@ class TaskModule(LightningModule):
         self.compile_mode = compile_mode(compile)
         self.on_nonfinite_loss = on_nonfinite_loss
         self.skipped_nonfinite_steps = 0
+        self._logged_nonfinite_steps = 0
         self.skipped_empty_batches = 0
+        self._verdicts: list[LossVerdict] = []  # loss verdicts on their way to the host, oldest first
+        self._step_usable: torch.Tensor | None = None  # device verdict of this optimizer step's batches
         # sample-weighted means of the evaluation loss, synced exactly over ranks by torchmetrics
         self.eval_losses = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
         self.worst_examples = WorstExamples(num_worst_examples)
@@ -250,34 +314,118 @@ class TaskModule(LightningModule):
             "more images than one batch), or give the training split more than one image per process.")
 
     def guard_loss(self, loss: torch.Tensor | None, batch_idx: int) -> torch.Tensor | None:
-        """Return ``loss`` if it is finite on every rank; otherwise raise or (``on_nonfinite_loss=skip``)
-        return ``None``, which makes Lightning skip backward and the optimizer step. ``loss=None``
-        (a batch with nothing left to train on) is skipped and counted. Ranks agree on the
-        verdict, so DDP never waits on a rank that skipped."""
+        """Return the loss to train on; the verdict on it is reached on the device.
+
+        The host never waits for the loss (on a GPU that would stall the queue of kernels every
+        step). Instead the verdict (finite, and on every rank) is computed on the device, copied
+        to the host without waiting, and :meth:`on_before_optimizer_step` makes the optimizer's
+        update conditional on it (see there). The host reads the verdict later, at the latest
+        before the next checkpoint, validation or the end of training; a non-finite loss then
+        raises (naming its step and batch) or, with ``on_nonfinite_loss=skip``, is warned about
+        and counted. ``loss=None`` (a batch with nothing left to train on) is known on the host:
+        in one process Lightning skips that step; under DDP the rank trains on a zero loss that
+        reaches every parameter, so the gradient all-reduce the other ranks wait for happens,
+        and the verdict skips the update on every rank."""
         empty = loss is None
+        distributed = self.trainer.world_size > 1
+        if empty and not distributed:
+            self._count_empty_batch(self._where(self.global_step, self.current_epoch, batch_idx))
+            return None
+        if empty:
+            loss = zero_loss(self)
+        finite = torch.isfinite(loss.detach()).all()
         # a batch with nothing to train on is not a non-finite loss: finite, but not usable
-        finite = torch.tensor(True, device=self.device) if empty else torch.isfinite(loss.detach()).all()
-        usable = finite & torch.tensor(not empty, device=self.device)
-        if self.trainer.world_size > 1:
-            verdict = torch.stack([finite.float(), usable.float()])
-            finite, usable = (self.trainer.strategy.reduce(verdict, reduce_op="min") > 0).unbind()
-        if usable:
-            return loss
-        where = f"global step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
-        if not finite and self.on_nonfinite_loss == "raise":
-            value = loss.detach().float().item() if loss is not None else "on another rank"
-            raise FloatingPointError(
-                f"non-finite loss ({value}) at {where}; stopped before the optimizer step, so no checkpoint "
-                "holds the result. Lower the learning rate, check the batch, or set "
-                "model.on_nonfinite_loss=skip to skip and count such steps.")
-        if not finite:
+        verdict = torch.stack([finite, torch.zeros_like(finite) if empty else finite]).float()
+        if distributed:  # every rank skips if one must; no barrier, so the host does not wait
+            torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN)
+        usable = verdict[1] > 0
+        self._step_usable = usable if self._step_usable is None else self._step_usable & usable
+        self._verdicts.append(LossVerdict.copy(self.global_step, self.current_epoch, batch_idx,
+                                               torch.cat([verdict, loss.detach().float().reshape(1)])))
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply this step's loss verdict to the update, on the device where the optimizer allows it.
+
+        A fused optimizer (``fused=True``: Adam, AdamW, SGD, Adagrad) skips its whole update, state
+        and step count included, when its ``found_inf`` tensor is non-zero (the mechanism a
+        gradient scaler uses, :func:`skip_update_on_device`). Under fp16 the scaler sets that
+        tensor itself from its check of the gradients, so a step to skip gets a non-finite
+        gradient instead. Other optimizers, and a fused one before its first update (fused SGD
+        leaves its momentum buffer uninitialised when its first update is skipped), read the
+        verdict on the host here, after the backward is queued: a non-finite loss raises before
+        the update, and a step to skip drops its gradients. With gradient accumulation one
+        unusable batch skips the whole accumulated step."""
+        usable, self._step_usable = self._step_usable, None
+        if usable is None:  # nothing was trained on: no gradients to apply
+            return
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if supports_device_skip(optimizer) and scaler is not None:
+            grads = (p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
+            grad = next(grads, None)
+            if grad is not None:
+                grad.masked_fill_(~usable, float("nan"))
+            return
+        if supports_device_skip(optimizer) and optimizer.state:
+            skip_update_on_device(optimizer, ~usable)
+            return
+        if not all(ok for step, ok in self._resolve_verdicts(wait=True, log=True) if step == self.global_step):
+            optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+
+        try:
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        finally:  # the verdict was this step's only
+            skip_update_on_device(optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer, None)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # under DDP every rank must stop at the same step: wait for the verdicts; alone, read the ready ones
+        self._resolve_verdicts(wait=self.trainer.world_size > 1, log=True)
+
+    def on_train_epoch_end(self) -> None:
+        self._resolve_verdicts(wait=True, log=False)
+
+    def on_train_end(self) -> None:
+        self._resolve_verdicts(wait=True, log=False)
+
+    def _resolve_verdicts(self, wait: bool, log: bool) -> list[tuple[int, bool]]:
+        """Read the loss verdicts that reached the host (all of them with ``wait``), oldest first:
+        raise at a non-finite loss (``on_nonfinite_loss=raise``), or warn and count the skipped
+        step. Returns ``(global step, usable)`` of each verdict read."""
+        read = []
+        while self._verdicts and (wait or self._verdicts[0].ready()):
+            record = self._verdicts.pop(0)
+            finite, usable, value = record.read()
+            read.append((record.step, usable))
+            if usable:
+                continue
+            where = self._where(record.step, record.epoch, record.batch)
+            if not finite and self.on_nonfinite_loss == "raise":
+                self._verdicts.clear()
+                shown = f"{value}" if not math.isfinite(value) else "on another rank"
+                raise FloatingPointError(
+                    f"non-finite loss ({shown}) at {where}; its optimizer step made no update, and the run stopped "
+                    "before any later checkpoint, so no checkpoint holds the result. Lower the learning rate, check "
+                    "the batch, or set model.on_nonfinite_loss=skip to skip and count such steps.")
+            if finite:
+                self._count_empty_batch(where)
+                continue
             self.skipped_nonfinite_steps += 1
             rank_zero_warn(f"non-finite loss at {where}: step skipped ({self.skipped_nonfinite_steps} so far)")
+        if log and self.skipped_nonfinite_steps != self._logged_nonfinite_steps:
             self.log("train/skipped_nonfinite_steps", float(self.skipped_nonfinite_steps), reduce_fx="max")
-        else:
-            self.skipped_empty_batches += 1
-            rank_zero_warn(f"no readable image left in the batch at {where} (on some rank): step skipped")
-        return None
+            self._logged_nonfinite_steps = self.skipped_nonfinite_steps
+        return read
+
+    def _count_empty_batch(self, where: str) -> None:
+        self.skipped_empty_batches += 1
+        rank_zero_warn(f"no readable image left in the batch at {where} (on some rank): step skipped")
+
+    @staticmethod
+    def _where(step: int, epoch: int, batch_idx: int) -> str:
+        return f"global step {step} (epoch {epoch}, batch {batch_idx})"
 
     # -- evaluation ----------------------------------------------------------------------------------
     def log_eval_loss(self, stage: str, loss: torch.Tensor, weight: float | int) -> None:
@@ -319,6 +467,7 @@ class TaskModule(LightningModule):
                              + ". Evaluate it on data with the same classes (ids, vocabulary), or fine-tune it with fit.")
 
     def on_validation_start(self) -> None:
+        self._resolve_verdicts(wait=True, log=False)  # no validation of a run that must stop
         if not self.trainer.sanity_checking:
             self.check_data_identity()
 
@@ -327,6 +476,7 @@ class TaskModule(LightningModule):
 
     # -- checkpoints ------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._resolve_verdicts(wait=True, log=False)  # a run that must stop writes no checkpoint
         # resuming mid-epoch replays dropout and augmentation draws exactly only with the RNG states
         checkpoint["rng_states"] = rng_states()
         checkpoint["suite_task"] = qualified_name(type(self))
@@ -343,7 +493,7 @@ class TaskModule(LightningModule):
                      if arg in saved and _plain(saved[arg]) != _plain(value)]
         if differing:
             raise ValueError("the checkpoint was trained on other data than this run's: " + "; ".join(differing))
-        self.skipped_nonfinite_steps = 0
+        self.skipped_nonfinite_steps = self._logged_nonfinite_steps = 0
 
     # -- outputs of `test` and `predict` -----------------------------------------------------------
     @property
