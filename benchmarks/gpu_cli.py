@@ -200,13 +200,11 @@ class TaskRun:
 
     def deterministic(self) -> tuple[str, str]:
         """(``--trainer.deterministic`` value, why): ``true`` unless the task refuses it on this device."""
-        from tasks.determinism import deterministic_refusal
+        from tasks.determinism import deterministic_refusal, run_ops
 
-        reason = deterministic_refusal(self.task, True, self.args.accelerator)
-        if reason is None:
+        if deterministic_refusal(self.task, True, self.args.accelerator) is None:
             return "true", "deterministic true"
-        ops = reason.split(": ", 1)[1].split(". Set")[0]
-        return "warn", f"deterministic warn (true is refused: {ops[:160]})"
+        return "warn", f"deterministic warn (true is refused on CUDA: {', '.join(run_ops(self.task))})"
 
     def resume(self) -> str:
         mode, why = self.deterministic()

@@ -154,9 +154,7 @@ class DemoTimer(Callback):
         seconds = (self.last_end - self.timed_start - self.validation_s) if self.timed_start is not None else None
         result = {"steps": self.steps, "seconds": seconds, "it_per_s": self.steps / seconds if seconds else None,
                   "global_step": trainer.global_step, "fit_seconds": time.perf_counter() - self.fit_start,
-                  "validation_s": self.validation_s, "batch_size": trainer.datamodule.batch_size
-                  if hasattr(trainer.datamodule, "batch_size") else None,
-                  "first_step_s": self.first_step_end - self.fit_start if self.first_step_end else None,
+                  "validation_s": self.validation_s, "first_step_s": self.first_step_end - self.fit_start if self.first_step_end else None,
                   "device": str(pl_module.device),
                   "device_name": torch.cuda.get_device_name(pl_module.device)
                   if pl_module.device.type == "cuda" else "CPU", "torch_threads": torch.get_num_threads()}
@@ -253,7 +251,7 @@ def demo(args) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "demo.json").write_text(json.dumps(row, indent=1))
     rate = f"{row['it_per_s']:.2f} it/s" if row.get("it_per_s") else "-"
-    lines = ["| demo | device | status | timed steps | rate | validation s | first step s | wall s |",
+    lines = ["| demo | device | status | timed steps | rate | validation s | s to the first step's end | wall s |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
              f"| `{row['command']}` | {row.get('device_name', '-')} | {row['status']} | {row.get('steps', '-')} | {rate} "
              f"| {fmt_s(row.get('validation_s'))} | {fmt_s(row.get('first_step_s'))} | {row['wall_s']} |"]

@@ -55,7 +55,8 @@ compilation takes ~30-60 s. So each run stops timing after ``--max-run-seconds``
 column says how many were timed), and runs go in order of importance: eager at the recipe's own
 settings (bf16-mixed, the recipe's channels_last), eager with one setting changed, compiled at
 the paper recipes' own settings, eager with both changed, compiled demo recipes, the remaining
-compiled variants; paper recipes before demo ones, ours next to its peer. A run whose estimated
+compiled variants; paper recipes before demo ones, ours next to its peer (a task's compiled runs: ours
+regional, the peer whole, ours whole). A run whose estimated
 end lies past ``--budget-s`` (default 420 s) is not started and is listed as skipped;
 ``--budget-s 0`` runs everything. Compiled runs keep a place in the budget: eager runs may use
 only ``1 - --compiled-share`` of it (default 0.4) when compiled runs are planned. Estimates are
@@ -82,6 +83,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import importlib
 import importlib.util
@@ -261,19 +263,27 @@ def recipe_config(path: Path) -> dict:
     return merged
 
 
+@functools.lru_cache(maxsize=None)
+def task_parser(task: str):
+    """jsonargparse's parser of ``task``'s class (built once: it inspects every class the arguments name)."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    module, name = TASK_CLASSES[task]
+    task_class = getattr(importlib.import_module(module), name)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--config", action=ActionConfigFile)
+    parser.add_class_arguments(task_class, "model", fail_untyped=False, sub_configs=True)
+    return parser
+
+
 def build_task(recipe: Recipe) -> nn.Module:
     """The recipe's task (a LightningModule), built as ``python -m tasks.<task> fit --config <source>``
     builds it: the model sections of the recipe's base chain go through jsonargparse's parser of the
     task class, the data-linked arguments come from :attr:`Recipe.data_links`, and weights start random
     (no ``pretrained`` checkpoint is read)."""
     import yaml
-    from jsonargparse import ActionConfigFile, ArgumentParser
 
-    module, name = TASK_CLASSES[recipe.task]
-    task_class = getattr(importlib.import_module(module), name)
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_argument("--config", action=ActionConfigFile)
-    parser.add_class_arguments(task_class, "model", fail_untyped=False, sub_configs=True)
+    parser = task_parser(recipe.task)
     layers = [{"model": layer["model"]} for layer in recipe_layers(REPO / recipe.source) if layer.get("model")]
     layers.append({"model": recipe.data_links})
     config = parser.parse_args([arg for layer in layers for arg in ("--config", yaml.safe_dump(layer))])
@@ -372,8 +382,7 @@ class MarianPeer(nn.Module):
             activation_dropout=model.get("activation_dropout", 0.0),
             max_position_embeddings=recipe.data_links["max_positions"], scale_embedding=True,
             pad_token_id=ids["pad_id"], decoder_start_token_id=ids["bos_id"], eos_token_id=ids["eos_id"],
-            share_encoder_decoder_embeddings=True, tie_word_embeddings=True)
-        config._attn_implementation = "sdpa"
+            share_encoder_decoder_embeddings=True, tie_word_embeddings=True, attn_implementation="sdpa")
         self.model = MarianMTModel(config)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
@@ -468,9 +477,12 @@ class Run:
             tier = 2 if paper else 4
         else:
             tier = 5 if paper and self.deviations == 1 else 6
+        # compiled, per task: ours regional (the quicker compile), then the peer compiled whole, then ours whole
+        compiled = {("ours", "regional"): 0, ("peer", "network"): 1, ("ours", "network"): 2}.get(
+            (self.kind, self.compile), 0)
         return (tier, RECIPE_NAMES.index(self.recipe.name) * -1, TASKS.index(self.recipe.task),
                 PRECISIONS.index(self.precision) if self.precision in PRECISIONS else 9, self.channels_last,
-                self.kind != "ours")
+                compiled, self.kind != "ours")
 
     def order(self) -> tuple:
         return (TASKS.index(self.recipe.task), RECIPE_NAMES.index(self.recipe.name),

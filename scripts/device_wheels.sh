@@ -2,7 +2,9 @@
 # Wheels for a GPU machine that has PyTorch and most of the scientific stack but not the suite's own
 # requirements, for Python 3.12 on x86-64 Linux (the lent GPU machines' image: see README "On a GPU").
 # The list is the project's dependency closure minus what that image already holds (torch,
-# torchvision, lightning, torchmetrics, timm, onnx, onnxruntime, sentencepiece, sacrebleu, numpy ...).
+# torchvision, lightning, torchmetrics, timm, onnx, onnxruntime, sentencepiece, sacrebleu, numpy, and
+# transformers 5.17 for gpu_suite.py's MarianMTModel peer: device KINDS.md's package list).
+# The wheels below come to ~49 MB of the 64 MiB a device call carries.
 # wandb and its telemetry stack are left out: the GPU check logs to CSV (--trainer.logger false).
 #
 #   bash scripts/device_wheels.sh [.whl]        # here, with PyPI reachable

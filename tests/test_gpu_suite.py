@@ -1,5 +1,6 @@
 """benchmarks/gpu_suite.py cannot rot: its --tiny mode (CPU, toy sizes, 3 steps) runs end to end
-for every task, network and variant and writes its Markdown table and JSON. No timing is asserted."""
+for every task, network and variant and writes its Markdown table and JSON (slow). No timing is
+asserted. The translation peer's dimensions and the time budget's rules are checked directly."""
 from __future__ import annotations
 
 import json
@@ -8,12 +9,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import REPO, clean_env
 
 SUITE = REPO / "benchmarks" / "gpu_suite.py"
 TASKS = ("classify", "detect", "segment", "translate")
-PEERS = {"classify", "detect", "segment"}  # translation has no peer
+PEERS = {"classify", "detect", "segment", "translate"}
+POSTPROCESSED = {"detect", "segment"}  # decoding + NMS; upsampling + argmax
 PAPER_ROWS = {"classify": 2351, "detect": 2782, "segment": 241}  # MobileViTv2 paper, V100 img/s
 
 
@@ -57,10 +60,11 @@ def test_tiny_suite_writes_a_row_per_task_and_variant(tmp_path):
         assert row["unit"] == ("tok/s" if row["task"] == "translate" else "img/s"), where
         assert len(row["loss_curve"]) == 3 and all(math.isfinite(v) for v in row["loss_curve"]), where
         assert row["peak_mem_mb"] is None, where  # only measured on CUDA
-        if row["recipe"] == "paper" and row["task"] in PAPER_ROWS:  # the rows the paper gives throughputs for
+        if row["recipe"] == "paper":  # inference at the paper's protocol (toy batch here)
             assert isinstance(row["infer_per_s"], float) and math.isfinite(row["infer_per_s"]) \
-                and row["infer_per_s"] > 0, where
-            if row["kind"] == "ours":
+                and row["infer_per_s"] > 0 and row["infer_batch"] == 2, where
+            assert (row["postprocess_per_s"] is not None) == (row["task"] in POSTPROCESSED), where
+            if row["kind"] == "ours" and row["task"] in PAPER_ROWS:
                 assert row["paper_v100_infer"] == PAPER_ROWS[row["task"]], where
         else:
             assert row["infer_per_s"] is None, where
@@ -94,3 +98,38 @@ def test_tiny_suite_times_regional_and_network_compilation(tmp_path):
         assert row["warmup_steps"] == 2 and row["warmup_s"] > 0 and math.isfinite(row["loss_last"])
     table = (tmp_path / "out" / "gpu_suite.md").read_text()
     assert "| regional |" in table and "| network |" in table
+
+
+def test_the_marian_peer_has_our_translation_models_trainable_parameters():
+    """Same dimensions, same architecture: a translation recipe and its MarianMTModel peer train the same
+    number of parameters (Marian keeps its sinusoidal tables as frozen parameters). The demo recipe keeps
+    it quick; the paper recipe's peer is built by the same code from its own dimensions."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_suite
+
+    from tasks.translate import TranslationTask
+
+    recipe = gpu_suite.tiny(next(r for r in gpu_suite.RECIPES if r.task == "translate" and r.name == "demo"))
+    architecture = {k: v for k, v in recipe.config["model"].items() if not isinstance(v, dict)}
+    ours, peer = TranslationTask(**architecture, **recipe.data_links), gpu_suite.MarianPeer(recipe)
+    trainable = [sum(p.numel() for p in m.parameters() if p.requires_grad) for m in (ours, peer)]
+    assert trainable[0] == trainable[1] > 1_000_000
+    src = torch.randint(4, 2000, (2, 8))
+    assert peer(src, src).shape == ours(src, src).shape == (2, 8, 2000)
+
+
+def test_compiled_runs_keep_their_share_of_the_budget_and_estimates_follow_measured_runs():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_suite
+
+    recipe = next(r for r in gpu_suite.RECIPES if r.task == "classify" and r.name == "paper")
+    eager, compiled = (gpu_suite.Run(recipe, "ours", "bf16-mixed", True, mode) for mode in ("off", "network"))
+    budget = gpu_suite.Budget(100.0, 0.4, any_compiled=True)
+    assert budget.refuses(eager, 30.0) is None  # 30 + 23 <= 60, the eager share
+    assert "eager runs' share" in budget.refuses(eager, 40.0)
+    assert budget.refuses(compiled, 40.0) is None  # 40 + 48 <= 100
+    budget.record(eager, 10.0)
+    assert budget.refuses(eager, 45.0) is None  # the measured 10 s replaces the first guess
+    assert gpu_suite.Budget(100.0, 0.4, any_compiled=False).refuses(eager, 70.0) is None  # nothing to keep it for
+    assert gpu_suite.Budget(0.0, 0.4, any_compiled=True).refuses(eager, 1e6) is None  # no budget

@@ -1,0 +1,64 @@
+"""scripts/gpu_check.sh: the one command a lent GPU machine runs. Its stages' boxes fit the 9 minutes a
+command may take there (fast), and ``all --tiny`` runs every stage on the CPU, leaving at most 8 files
+in OUT and none deeper than OUT/a/b (slow)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO, clean_env
+
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+#: one device command may run 10 minutes; the check keeps a minute for the machine's start and transfers
+TOTAL_S = 540
+SETUP_S = 15  # the wheels' install and the machine's description, before the first stage
+
+
+def gpu_setting(name: str) -> int:
+    """A number the script sets in its GPU branch (``name=N``), e.g. ``cli_box``."""
+    text = SCRIPT.read_text()
+    gpu = text[text.index("accelerator=gpu"):text.index("\nfi\n", text.index("accelerator=gpu"))]
+    return int(re.search(rf"\b{name}=(\d+)", gpu)[1])
+
+
+def test_the_stage_boxes_add_up_to_at_most_nine_minutes():
+    assert f"total=${{GPU_CHECK_TOTAL_S:-{TOTAL_S}}}" in SCRIPT.read_text()
+    boxes = {stage: gpu_setting(f"{stage}_box") for stage in ("cli", "suite", "fit", "demo")}
+    assert SETUP_S + sum(boxes.values()) <= TOTAL_S, boxes
+    for stage in ("cli", "suite", "fit"):  # a stage's own budget ends it before its box kills it
+        assert gpu_setting(f"{stage}_budget") < boxes[stage], stage
+    assert gpu_setting("demo_s") + 10 < boxes["demo"]
+
+
+@pytest.mark.slow  # every stage on the CPU: four tasks' CLIs, the suite, four paper-recipe fits, the demo
+def test_all_stages_pass_tiny_on_the_cpu(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(SCRIPT), "all", str(out), "--tiny"], cwd=REPO,
+                          env=clean_env(GPU_CHECK_WORK=str(tmp_path / "work")), capture_output=True, text=True,
+                          timeout=3600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    files = [p.relative_to(out) for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8 and all(len(p.parts) <= 3 for p in files), files  # the device's limits on OUT
+    assert {"summary.md", "all.log", "gpu_cli.json", "gpu_suite.json", "gpu_fit.json", "demo.json"} <= {
+        str(p) for p in files}
+    assert not (out / "failed_cells.log").exists()
+
+    summary = (out / "summary.md").read_text()
+    for stage in ("cli", "suite", "fit", "demo"):
+        assert re.search(rf"^\| {stage} \| \d+ \| \d+ \| 0 \|$", summary, re.M), summary[:2000]
+    assert "## cli: gpu_cli.md" in summary and "## demo: demo.md" in summary
+
+    cells = {(r["task"], r["cell"]): r for r in json.loads((out / "gpu_cli.json").read_text())["rows"]}
+    for task in ("classify", "detect", "segment", "translate"):
+        assert cells[(task, "resume")]["status"] == "ok", cells[(task, "resume")]
+        assert "weights exact" in cells[(task, "resume")]["detail"]  # CPU kernels are deterministic
+    suite = json.loads((out / "gpu_suite.json").read_text())["rows"]
+    assert {(r["task"], r["kind"]) for r in suite if r["status"] == "ok"} >= {
+        (task, "ours") for task in ("classify", "detect", "segment", "translate")}
+    fits = json.loads((out / "gpu_fit.json").read_text())["rows"]
+    assert [r["status"] for r in fits] == ["ok"] * 4
+    demo = json.loads((out / "demo.json").read_text())
+    assert demo["status"] == "ok" and demo["it_per_s"] > 0 and demo["steps"] > 0
