@@ -16,11 +16,14 @@ patches; FFN ratio 2; GroupNorm with one group over (C, P, N) as the reference c
 Implementation note (speed). The reference unfolds the map into (B, C, P, N)
 patches and folds it back in every block (two copies) and runs 1x1 convolutions.
 Here the transformer works on the channels-last map (B, H, W, D) itself: linear
-layers act on the last dim, GroupNorm uses its channels-last kernel, and the
-separable attention reduces over the patch-index axes of the free view
-(B, H/2, 2, W/2, 2, D). Every output equals the reference's (tested to 1e-5
-against timm). The backbone converts its input to ``torch.channels_last`` once,
-so the block's NCHW <-> NHWC permutes are views, not copies.
+layers act on the last dim (one GEMM with its bias each), the one-group GroupNorm
+runs as layer norm over (H, W, D) (``ChannelsLastGroupNorm``), and the separable
+attention reduces over the patch-index axes of the free view (B, H/2, 2, W/2, 2, D),
+its softmax one fused kernel over the tokens of each patch position. Every output
+equals the reference's (tested to 1e-5 against timm). The backbone converts its
+input to ``torch.channels_last`` once, so the block's NCHW <-> NHWC permutes are
+views, not copies. Per training step on a GPU this launches fewer kernels and moves
+fewer bytes than timm's ``mobilevitv2_*`` (``benchmarks/results_kernels.md``).
 
 Input sizes: any H, W. Where a MobileViTv2 block's input is not a multiple of
 the patch size, it is resized (bilinear, align_corners=True) up to the next

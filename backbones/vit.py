@@ -233,7 +233,9 @@ class ViT(SingleScaleBackbone):
         """(B, in_chans, H, W) -> (B, D): the normed class token (or normed token mean without one)."""
         tokens = self.forward_tokens(x)
         if self.cls_token is not None:
-            return self.norm(tokens[:, 0])
+            # every token normed, as timm: the class token alone is a strided slice, which CUDA's layer
+            # norm would copy before and after (one more kernel each way than norming the whole block)
+            return self.norm(tokens)[:, 0]
         return self.norm(tokens.mean(dim=1))
 
     def adapt_checkpoint(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ the module whose forward created its autograd node), the innermost category winn
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from collections import Counter, defaultdict
 from contextlib import contextmanager
@@ -41,6 +42,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,6 +139,7 @@ class Counts:
 HOST_ONLY = {
     "_unsafe_view", "detach", "alias", "lift_fresh", "_reshape_alias", "empty", "empty_strided", "empty_like",
     "new_empty", "new_empty_strided", "_local_scalar_dense", "is_same_size", "_has_compatible_shallow_copy_type",
+    "as_strided_",
 }
 #: ops that write their first argument without reading it
 WRITE_ONLY_SELF = {"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_"}
@@ -252,13 +255,44 @@ def cuda_output_layout(name: str, args: tuple, out):
             None if grad_weight is None else grad_weight.contiguous(memory_format=fmt), grad_bias)
 
 
+class FlashAttentionOnCuda(TorchFunctionMode):
+    """``F.scaled_dot_product_attention`` as it runs on an sm80+ GPU (A100, H100, H200): flash attention for
+    half-precision inputs without a mask and head dims up to 256 (``sdp_utils.cpp``), the head dim padded
+    to a multiple of 8 and the output cut back (``attention.cpp``). On fake tensors PyTorch cannot ask the
+    device and takes the math path (two batched GEMMs and a softmax)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = self.flash_attention(*args, **kwargs) if func is F.scaled_dot_product_attention else None
+        return func(*args, **kwargs) if out is None else out
+
+    @staticmethod
+    def flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                        enable_gqa=False) -> torch.Tensor | None:
+        if torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")
+            query, key, value = (t.to(dtype) for t in (query, key, value))
+        head_dim = query.shape[-1]
+        if query.device.type != "cuda" or attn_mask is not None or enable_gqa or head_dim > 256 or \
+                query.dtype not in (torch.float16, torch.bfloat16):
+            return None
+        pad = -head_dim % 8
+        if pad:
+            query, key, value = (F.pad(t, (0, pad)) for t in (query, key, value))
+        scale = head_dim ** -0.5 if scale is None else scale
+        out = aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+        return out[..., :head_dim] if pad else out
+
+
 def cuda_launches(name: str, args: tuple) -> int:
     """Kernels one aten op launches on CUDA where it is more than one (ATen's CUDA sources):
     ``convolution`` adds the bias after cuDNN; ``convolution_backward`` runs cuDNN once per gradient asked
     (input, weight) and reduces the bias gradient apart; ``native_group_norm`` (``group_norm_kernel.cu``):
     moments, fused affine parameters, normalisation; its backward: internal gradients, then for the input
     gradient rstd * gamma, fused parameters and the element-wise pass, then gamma and beta;
-    ``native_layer_norm_backward`` (``layer_norm_kernel.cu``): input gradient, then gamma and beta."""
+    ``native_layer_norm_backward`` (``layer_norm_kernel.cu``): input gradient, then gamma and beta;
+    ``select_backward`` / ``slice_backward``: zeros, then the gradient copied into its slice; flash attention's
+    backward (``flash_api.cpp``, ``mha_bwd``): dO . O per row, the backward, dQ converted from float32."""
     if name == "convolution":
         return 1 + (args[2] is not None)
     if name == "convolution_backward":
@@ -271,6 +305,10 @@ def cuda_launches(name: str, args: tuple) -> int:
     if name == "native_layer_norm_backward":
         grad_input, grad_weight, grad_bias = args[-1]
         return max(grad_input + (grad_weight or grad_bias), 1)
+    if name in ("select_backward", "slice_backward"):
+        return 2
+    if name == "_scaled_dot_product_flash_attention_backward":
+        return 3
     return 1
 
 
@@ -491,11 +529,12 @@ def count(model: nn.Module, batch: int, size: int, train: bool) -> Counts:
     optimizer's state) or one inference pass of ``model`` on a (batch, 3, size, size) channels-last input
     under bf16 autocast, on fake CUDA tensors."""
     counts = Counts()
+    model = copy.deepcopy(model)  # the fake mode takes its parameters
     with cpu_speedups(False), fake_tensor_mode()(allow_non_fake_inputs=True):
         model = model.to("cuda", memory_format=torch.channels_last).train(train)
         images = torch.randn(batch, 3, size, size, device="cuda").contiguous(memory_format=torch.channels_last)
         target = torch.zeros(batch, dtype=torch.long, device="cuda")
-        with KernelCounter(counts) as counter:
+        with KernelCounter(counts) as counter, FlashAttentionOnCuda():
             tracker = BlockTracker(model, counter)
             try:
                 if train:
@@ -547,24 +586,54 @@ def summary_row(name: str, phase: str, ours: Counts, theirs: Counts) -> str:
             f"{b.aten_ops} | {gb(a.bytes)} | {gb(b.bytes)} | {a.bytes / b.bytes:.2f} | {a.views} | {b.views} |")
 
 
+#: a section of the output file that a new run keeps (numbers of earlier code, measured by hand)
+KEPT_SECTION = "## Before and after"
+
+RESULTS_INTRO = """# GPU cost proxies: kernels and bytes per step, ours beside timm
+
+    {command}
+
+torch {torch}, timm {timm}; counted on fake CUDA tensors, no GPU (`benchmarks/bench_kernels.py` says how).
+A training step is forward, cross-entropy, backward and a fused AdamW step, after a first step that
+creates the optimizer's state; an inference pass is one forward under `no_grad`. Both run channels-last
+under bf16 autocast (CUDA's op lists), with the CPU speed paths off (`SUITE_CPU_SPEEDUPS=0`: they never
+run on CUDA tensors). *Kernels* are CUDA launches: each aten op, plus the launches of ops that run more
+than one kernel and the copies CUDA kernels make inside (`cuda_launches`, `cuda_internal_copies`:
+ATen's CUDA sources); *aten ops* the ops dispatched; *GB* what the kernels read and write; *views*
+views, metadata and allocations, host-side work only. Op counts do not depend on the batch; bytes grow
+with it (all but the parameters' and the optimizer's share).
+
+Why ours has more aten ops than timm's MobileViTv2 at fewer kernels: a `Linear`'s backward is three aten
+ops (two `mm` and the bias gradient's `sum`), a 1x1 convolution's is one `convolution_backward` that
+launches the same three kernels; its forward adds the bias in a second kernel where `addmm` fuses it.
+"""
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--networks", nargs="+", default=list(DEFAULT_NETWORKS), choices=list(NETWORKS))
     parser.add_argument("--batch", type=int, default=128, help="images per step (the paper's: 128)")
-    parser.add_argument("--out", type=Path, help="write the markdown tables here")
+    parser.add_argument("--out", type=Path, help=f"write the markdown tables here (keeping its '{KEPT_SECTION}')")
     args = parser.parse_args(argv)
     summary = list(SUMMARY_HEADER)
     details = []
     for name in args.networks:
         size = NETWORKS[name][3]
+        networks = build_networks(name)
         for phase, train in (("training step", True), ("inference pass", False)):
-            counted = {side: count(model, args.batch, size, train) for side, model in build_networks(name).items()}
+            counted = {side: count(model, args.batch, size, train) for side, model in networks.items()}
             summary.append(summary_row(name, phase, counted["ours"], counted["timm"]))
             details += table(f"{name} ({args.batch} x {size})", phase, counted["ours"], counted["timm"])
             print(summary[-1], flush=True)
-    text = "\n".join(summary + [""] + details)
+    text = "\n".join(summary + ["", "## Per block type", ""] + details)
     if args.out:
-        args.out.write_text(text + "\n")
+        import timm
+
+        command = "python benchmarks/bench_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        intro = RESULTS_INTRO.format(command=command, torch=torch.__version__, timm=timm.__version__)
+        kept = args.out.read_text().partition(KEPT_SECTION) if args.out.exists() else ("", "", "")
+        report = f"{intro}\n## Totals\n\n{text}\n"
+        args.out.write_text(report + (f"\n{kept[1]}{kept[2]}" if kept[1] else ""))
     print(text)
 
 

@@ -82,6 +82,18 @@ def register_cpu_sdpa_flops() -> None:
         if kernel not in flop_counter.flop_registry:
             flop_counter.register_flop_formula(kernel, get_raw=True)(formula)
 
+def softmax_over(x: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """Softmax of ``x`` over the joint index of ``dims``, returned in ``x``'s shape and dim order.
+
+    The dims are moved last and flattened into one contiguous axis (a copy of ``x``), so one fused
+    softmax kernel runs forward and one backward; the result is a view back in ``x``'s order."""
+    dims = sorted(d % x.ndim for d in dims)
+    order = [d for d in range(x.ndim) if d not in dims] + dims
+    moved = x.permute(order)
+    flat = moved.reshape(*moved.shape[: x.ndim - len(dims)], -1).softmax(dim=-1)
+    return flat.view(moved.shape).permute([order.index(d) for d in range(x.ndim)])
+
+
 #: name -> attention class; ``@ATTENTION.register("name")`` adds a variant
 ATTENTION: Registry[Callable[..., nn.Module]] = Registry("attention")
 register_attention = ATTENTION.register
@@ -371,9 +383,7 @@ class SeparableSelfAttention(Attention):
         if x.shape[-1] != self.dim:
             raise ValueError(f"SeparableSelfAttention expects (..., {self.dim}) tokens, got {tuple(x.shape)}")
         logits, k, v = fused_linear(x, self.qkv).split([1, self.dim, self.dim], dim=-1)
-        logits = logits - logits.amax(dim=token_dims, keepdim=True)
-        weights = logits.exp_()
-        scores = self.attn_drop(weights / weights.sum(dim=token_dims, keepdim=True))
+        scores = self.attn_drop(softmax_over(logits, token_dims))
         context = (k * scores).sum(dim=token_dims, keepdim=True)
         return fused_linear(F.relu(v) * context, self.proj, residual=residual)
 

@@ -21,13 +21,27 @@ Tensor = torch.Tensor
 
 
 class ChannelsLastGroupNorm(nn.GroupNorm):
-    """GroupNorm for channels-last maps (B, H, W, C): statistics over (H, W, C)
-    per group, per-channel affine; the parameters are those of ``nn.GroupNorm``."""
+    """GroupNorm with one group for channels-last maps (B, H, W, C): statistics over (H, W, C) per image,
+    per-channel affine; the parameters (and checkpoint keys) are those of ``nn.GroupNorm(1, C)``.
+
+    One group's statistics are layer norm's over the map's last three dims, so it runs as ``layer_norm``
+    with the affine spread over (H, W, C): one fused kernel on the map as it lies, whose output stays
+    channels-last. (CUDA's group norm has an NCHW kernel only: it would copy the map in, copy the input
+    and the gradient again in the backward, and hand the next layer an NCHW map;
+    ``benchmarks/bench_kernels.py`` counts both.) The spread affine is materialised once per call, a
+    tensor of one image's size, which the backward reuses.
+    """
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True, **kwargs):
+        if num_groups != 1:
+            raise ValueError(f"ChannelsLastGroupNorm normalises with one group, got num_groups={num_groups}")
+        super().__init__(num_groups, num_channels, eps, affine, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
-        # a channels-last NCHW view: group_norm runs its channels-last kernel, no copy
-        out = F.group_norm(x.permute(0, 3, 1, 2), self.num_groups, self.weight, self.bias, self.eps)
-        return out.permute(0, 2, 3, 1)
+        map_shape = x.shape[-3:]
+        weight = None if self.weight is None else self.weight.expand(map_shape).contiguous()
+        bias = None if self.bias is None else self.bias.expand(map_shape).contiguous()
+        return F.layer_norm(x, map_shape, weight, bias, self.eps)
 
 
 class TransformerBlock(nn.Module):
