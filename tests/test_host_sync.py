@@ -302,3 +302,42 @@ def test_a_nonfinite_loss_stops_the_run_with_no_update_applied(optimizer, steps_
         fit_with_a_nonfinite_step(optimizer, "32-true", "raise", recorder)
     assert len(recorder.states) == steps_seen
     assert same_state(recorder.states[1], recorder.states[-1])
+
+
+class NaNLossOnRank(Callback):
+    """Adds NaN to the loss of global rank ``rank`` at global step ``step`` (the other ranks' stay finite)."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            loss_of = type(pl_module).training_loss
+            pl_module.training_loss = lambda *args: loss_of(pl_module, *args) + torch.full((), float("nan"))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        vars(pl_module).pop("training_loss", None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["skip", "raise"])
+def test_a_nonfinite_loss_on_one_rank_skips_or_stops_every_rank(mode, tmp_path):
+    """Under DDP the verdict is all-reduced on the device: rank 0 (finite) reports rank 1's NaN and
+    every rank skips the same update, or stops at the same step."""
+    from tests.test_contract import all_finite
+
+    proc = run_task("classify", "fit", *TINY["classify"], *QUIET, "--trainer.max_steps", "4",
+                    "--trainer.devices", "2", "--trainer.strategy", "ddp", "--model.on_nonfinite_loss", mode,
+                    "--checkpoint.every_n_train_steps", "1", "--trainer.callbacks+=tests.test_host_sync.NaNLossOnRank",
+                    "--trainer.callbacks.init_args.step", "2", "--trainer.callbacks.init_args.rank", "1",
+                    cwd=tmp_path, check=False, timeout=900)
+    last = torch.load(tmp_path / "runs" / "classify" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert all_finite(last["state_dict"]) and all(all_finite(s) for s in last["optimizer_states"][0]["state"].values())
+    if mode == "skip":
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "non-finite loss at global step 2 (epoch 0, batch 2): step skipped (1 so far)" in proc.stderr
+        assert last["global_step"] == 4
+    else:
+        assert proc.returncode != 0
+        assert "non-finite loss (on another rank) at global step 2" in proc.stderr, proc.stderr[-3000:]
+        assert last["global_step"] == 2
