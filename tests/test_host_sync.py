@@ -75,7 +75,8 @@ class SyncLog(torch_dispatch_mode()):
 class HostSyncCounter(Callback):
     """Counts the syncing ops of every optimizer step (LightningModule.optimizer_step: the closure's
     training_step and backward, clipping, the update) and writes them to ``report`` (JSON: one entry
-    per global step, ``{"training_step": {op: count}, "backward_and_update": {op: count}}``)."""
+    per global step, ``{"training_step": {op: count}, "backward_and_update": {op: count}, "cuda":
+    {where: count}}``, the last from CUDA's sync debug mode when the task trains on a GPU)."""
 
     def __init__(self, report: str):
         self.report = Path(report)
