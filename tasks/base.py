@@ -305,7 +305,7 @@ class TaskModule(LightningModule):
         if not per_rank:
             return
         datamodule = getattr(self.trainer, "datamodule", None)
-        size = getattr(datamodule, "batch_size", None)
+        size = datamodule.hparams.get("batch_size") if datamodule is not None else None
         raise ValueError(
             f"a training batch of 1 image at global step {self.global_step} (epoch {self.current_epoch}, "
             f"batch {batch_idx}; data.batch_size={size}, {self.trainer.world_size} process(es)): the network's "

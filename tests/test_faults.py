@@ -220,3 +220,12 @@ def test_training_batch_of_one_with_batchnorm_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"a training batch of 1 image at global step 0 .*BatchNorm .*"
                                          r"--data.batch_size 2 or more"):
         trainer(tmp_path).fit(BatchNormNet(), images)
+
+
+def test_batch_of_one_refusal_names_the_batch_size_the_user_gave(tmp_path, monkeypatch):
+    from tasks.classify import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"data.batch_size=1, 1 process"):
+        main(["fit", "--data.batch_size", "1", "--trainer.max_steps", "1", "--trainer.logger", "false",
+              "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu"])
