@@ -7,16 +7,17 @@ On a GPU at the paper's sizes (classification 128 x 256), a step is bound by the
 and the memory they read and write, not by arithmetic. Both can be counted on a CPU:
 
 - the network runs on fake CUDA tensors (``FakeTensorMode``: shapes, strides and dtypes, no data, no
-  device), so every decision PyTorch takes above the kernels is CUDA's: bf16 autocast's CUDA op lists
-  (norms, softmax, ``exp`` and ``sum`` in float32), the ``.contiguous()`` that CUDA group norm asks for,
-  cuDNN's choice of channels-last for a convolution, the SDPA kernel;
+  device, so the paper's batch costs what batch 1 does), and every op goes through CUDA's side of the
+  dispatcher: bf16 autocast's CUDA op lists (norms, softmax and ``sum`` in float32), cuDNN's layout for a
+  convolution, ``linear``'s choice between ``addmm`` and ``matmul``. Where PyTorch would ask the device,
+  the choice of an sm80+ GPU is made here (:class:`FlashAttentionOnCuda`, :func:`cuda_output_layout`);
 - the training step is forward, cross-entropy loss (label smoothing 0.1, as the paper's recipe),
   backward and a fused AdamW step. Autograd's engine needs a real CUDA context, so the backward runs
   through :func:`run_backward`, which calls each autograd node in dependency order and does what the
   engine does between nodes (the broadcast gradient's ``sum_to``, dtype casts, accumulation of
   gradients that meet);
-- each dispatched aten op is one entry: a *kernel* (roughly one GPU launch), or a *view* (views,
-  ``_unsafe_view``, allocations: host-side work only, counted apart);
+- each dispatched aten op is a *kernel* (:func:`cuda_launches` says where one op launches more) or a
+  *view* (views, ``_unsafe_view``, allocations: host-side work only, counted apart);
 - what a CUDA kernel copies inside itself, which no dispatch shows, comes from
   :func:`cuda_internal_copies` (each op's layouts in ATen's CUDA sources): a copy is one more kernel
   that reads and writes the tensor once;
@@ -24,9 +25,8 @@ and the memory they read and write, not by arithmetic. Both can be counted on a 
   size; a broadcast operand counts at its broadcast size).
 
 Op counts do not depend on the batch; bytes scale with it (all but the parameters' and the optimizer's
-share), so ``--batch 8`` gives the paper batch's op counts at a sixteenth of the activation bytes.
-Every op lands in the block type whose module ran it (forward hooks; the backward of an op belongs to
-the module whose forward created its autograd node), the innermost category winning.
+share). Every op lands in the block type whose module ran it (forward hooks; the backward of an op
+belongs to the module whose forward created its autograd node), the innermost category winning.
 """
 from __future__ import annotations
 
@@ -59,24 +59,29 @@ aten = torch.ops.aten
 #: table name -> (timm model, our backbone, its arguments, the paper's input size)
 NETWORKS: dict[str, tuple[str, str, dict, int]] = {
     **{
-        f"MobileViTv2-{w / 100:.2f}".rstrip("0").rstrip("."): (f"mobilevitv2_{w:03d}", "mobilevitv2", {"width": w / 100}, 256)
+        f"MobileViTv2-{w / 100:g}": (f"mobilevitv2_{w:03d}", "mobilevitv2", {"width": w / 100}, 256)
         for w in (50, 75, 100, 125, 150, 175, 200)
     },
     **{f"MobileViT-{s}": (f"mobilevit_{s}", "mobilevit", {"size": s}, 256) for s in ("xxs", "xs", "s")},
-    **{f"ViT-{s}": (f"vit_{s}_patch16_224", "vit", {"size": s, "img_size": 224}, 224) for s in ("tiny", "small", "base")},
+    **{
+        f"ViT-{s}": (f"vit_{s}_patch16_224", "vit", {"size": s, "img_size": 224}, 224)
+        for s in ("tiny", "small", "base")
+    },
 }
 DEFAULT_NETWORKS = ("MobileViTv2-0.5", "MobileViTv2-1", "MobileViT-xs", "ViT-tiny")
 
 # ------------------------------------------------------------------------------------------ block types
 STEM, MV2, VIT_BLOCK, NORM = "stem", "MV2 blocks", "MobileViT blocks: local conv, 1x1s, fold, fusion", "norms"
-ATTN_PROJ, ATTN_MIX, MLP, LAYER = "attention: projections", "attention: mixing", "MLP", "transformer layers: the rest"
+ATTN_PROJ, ATTN_MIX = "attention: projections", "attention: mixing"
+MLP, LAYER = "MLP", "transformer layers: the rest"
 HEAD, OPTIMIZER = "pooling, head, loss", "optimizer"
 CATEGORIES = (STEM, MV2, VIT_BLOCK, NORM, ATTN_PROJ, ATTN_MIX, MLP, LAYER, HEAD, OPTIMIZER)
 
 #: module class name (ours and timm's) -> block type
 CLASS_CATEGORIES = {
     "InvertedResidual": MV2, "BottleneckBlock": MV2,
-    "MobileViTv2Block": VIT_BLOCK, "MobileViTBlock": VIT_BLOCK, "MobileVitV2Block": VIT_BLOCK, "MobileVitBlock": VIT_BLOCK,
+    "MobileViTv2Block": VIT_BLOCK, "MobileViTBlock": VIT_BLOCK,
+    "MobileVitV2Block": VIT_BLOCK, "MobileVitBlock": VIT_BLOCK,
     "TransformerBlock": LAYER, "LinearTransformerBlock": LAYER, "Block": LAYER,
     "FeedForward": MLP, "Mlp": MLP, "ConvMlp": MLP,
     "LinearSelfAttention": ATTN_MIX, "Attention": ATTN_MIX,
@@ -237,7 +242,8 @@ def suggests_channels_last(t: torch.Tensor) -> bool:
 def _conv_format(x: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
     """cuDNN's layout for a convolution (``cudnn_conv_suggest_memory_format``): channels-last when the input
     or the weight suggests it."""
-    return torch.channels_last if suggests_channels_last(x) or suggests_channels_last(weight) else torch.contiguous_format
+    channels_last = suggests_channels_last(x) or suggests_channels_last(weight)
+    return torch.channels_last if channels_last else torch.contiguous_format
 
 
 def cuda_output_layout(name: str, args: tuple, out):
@@ -269,13 +275,12 @@ class FlashAttentionOnCuda(TorchFunctionMode):
     @staticmethod
     def flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                         enable_gqa=False) -> torch.Tensor | None:
-        if torch.is_autocast_enabled("cuda"):
-            dtype = torch.get_autocast_dtype("cuda")
-            query, key, value = (t.to(dtype) for t in (query, key, value))
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
         head_dim = query.shape[-1]
         if query.device.type != "cuda" or attn_mask is not None or enable_gqa or head_dim > 256 or \
-                query.dtype not in (torch.float16, torch.bfloat16):
+                dtype not in (torch.float16, torch.bfloat16):
             return None
+        query, key, value = (t.to(dtype) for t in (query, key, value))  # autocast's cast
         pad = -head_dim % 8
         if pad:
             query, key, value = (F.pad(t, (0, pad)) for t in (query, key, value))
@@ -318,7 +323,7 @@ def cuda_internal_copies(name: str, args: tuple, out) -> list[torch.Tensor]:
     - ``_softmax`` / ``_log_softmax`` and their backward (``SoftMax.cu``, ``host_softmax``): input, output and
       gradient made contiguous;
     - ``native_layer_norm`` and backward (``layer_norm_kernel.cu``): input, weight, bias ``expect_contiguous``;
-      ``native_group_norm`` and backward (``group_norm_kernel.cu``): contiguous NCHW only;
+      ``native_group_norm`` and backward (``group_norm.cpp``): on CUDA contiguous NCHW only;
     - ``convolution`` / ``convolution_backward`` (cuDNN): input, weight and gradient in the layout
       :func:`_conv_format` picks;
     - ``mm``, ``addmm``, ``bmm``, ``baddbmm`` (cuBLAS): each matrix row- or column-major;
@@ -384,10 +389,12 @@ def run_backward(loss: torch.Tensor, counter: KernelCounter, labels: dict) -> No
         while ready:
             node = ready.pop()
             counter.category, counter.node_name = labels.get(node, HEAD), node.name()
+            inputs = buffers.pop(node, None)  # None: no gradient reached the node, nothing to run
             if node.name() == "torch::autograd::AccumulateGrad":
-                accumulate_grad(node.variable, *buffers.pop(node))
+                if inputs is not None:
+                    accumulate_grad(node.variable, *inputs)
                 continue
-            grads = node(*buffers.pop(node))
+            grads = (None,) * len(node.next_functions) if inputs is None else node(*inputs)
             grads = grads if isinstance(grads, tuple) else (grads,)
             for (target, slot), grad in zip(node.next_functions, grads):
                 if target is None:
@@ -574,8 +581,8 @@ def table(name: str, phase: str, ours: Counts, theirs: Counts) -> list[str]:
 
 
 SUMMARY_HEADER = [
-    "| network | pass | kernels ours | kernels timm | ratio | aten ops ours | aten ops timm | GB ours | GB timm | ratio "
-    "| views ours | views timm |",
+    "| network | pass | kernels ours | kernels timm | ratio | aten ops ours | aten ops timm | GB ours | GB timm "
+    "| ratio | views ours | views timm |",
     "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
 ]
 
