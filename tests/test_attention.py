@@ -138,6 +138,21 @@ def test_separable_attention_is_eq3_of_the_paper():
         attn(x, torch.randn(2, 3, DIM))
 
 
+def test_separable_attention_on_a_patch_grid_equals_it_on_the_unfolded_sequences():
+    """MobileViTv2's path: the map's free (B, N_h, P_h, N_w, P_w, D) view, tokens on dims 1 and 3, one softmax
+    over them; the same outputs and gradients as the (B * P, N, D) sequences the reference unfolds."""
+    attn = make("separable")
+    grid = torch.randn(2, 3, 2, 4, 2, DIM, requires_grad=True)
+    sequences = grid.permute(0, 2, 4, 1, 3, 5).reshape(2 * 2 * 2, 3 * 4, DIM)
+    expected = attn(sequences).view(2, 2, 2, 3, 4, DIM).permute(0, 3, 1, 4, 2, 5)
+    out = attn.forward_grid(grid, token_dims=(1, 3))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), (grid, attn.qkv.weight))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (grid, attn.qkv.weight))
+    torch.testing.assert_close(grads, expected_grads, atol=1e-5, rtol=1e-5)
+
+
 def test_bad_shapes_are_named():
     attn = MultiHeadAttention(DIM, HEADS)
     with pytest.raises(ValueError, match=r"\(B, N, 32\)"):

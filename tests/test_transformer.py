@@ -9,7 +9,7 @@ import torch.nn as nn
 from backbones.transformer import TRANSFORMER_SIZES, TransformerEncoder
 from heads.seq2seq import TransformerDecoder
 from layers.attention import list_attention
-from layers.transformer import sinusoidal_table
+from layers.transformer import ChannelsLastGroupNorm, sinusoidal_table
 
 PAD = 0
 
@@ -166,3 +166,24 @@ def test_output_projection_is_tied_to_the_shared_embedding():
     dec(padded_batch([3]), memory, padding).sum().backward()
     assert enc.embed.tokens.weight.grad is not None
 
+
+
+def test_channels_last_group_norm_equals_group_norm_on_the_nchw_map():
+    """MobileViTv2's one-group GroupNorm, run as layer norm over (H, W, C) of a channels-last map: nn.GroupNorm's
+    outputs and gradients, its parameters and checkpoint keys."""
+    torch.manual_seed(0)
+    ours, reference = ChannelsLastGroupNorm(1, 6), nn.GroupNorm(1, 6)
+    with torch.no_grad():
+        reference.weight.uniform_(0.5, 1.5)
+        reference.bias.normal_()
+    ours.load_state_dict(reference.state_dict())
+    x = torch.randn(2, 6, 5, 4, requires_grad=True)
+    out = ours(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+    expected = reference(x)
+    torch.testing.assert_close(out, expected)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), (x, ours.weight, ours.bias))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (x, reference.weight, reference.bias))
+    torch.testing.assert_close(grads, expected_grads)
+    with pytest.raises(ValueError, match="num_groups=2"):
+        ChannelsLastGroupNorm(2, 6)
