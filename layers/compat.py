@@ -28,6 +28,10 @@ PRIVATE_NAMES = [
     ("torchvision.transforms.v2", "RandAugment._apply_image_or_video_transform",
      "datamodules.classification_transforms.FastRandAugment overrides it: RandAugment has no public per-op hook, "
      "and this one method is where its ops meet the image"),
+    ("torch.optim", "Adam._step_supports_amp_scaling",
+     "layers.compat.supports_device_skip: which optimizers can skip an update on the device (the fused ones)"),
+    ("torch.optim", "Adam.found_inf",
+     "layers.compat.skip_update_on_device: the non-finite-loss guard skips a fused update without a host read"),
     ("litdata", "StreamingDataLoader.restore",
      "datamodules.streaming (forget_restored_position): drop a resumed position once its epoch has begun"),
 ]
@@ -105,3 +109,21 @@ def forget_restored_position(loader) -> None:
     LitData has no public call to drop it."""
     loader.restore = False
 
+
+def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` can skip its update on the device (:func:`skip_update_on_device`):
+    torch's fused optimizers declare it with the flag gradient scalers check."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def skip_update_on_device(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None) -> None:
+    """Make the next ``optimizer.step()`` of a fused torch optimizer leave parameters, state and step
+    count unchanged where ``skip`` (a 0-d bool tensor on the parameters' device) is true, decided by
+    the kernel without the host reading ``skip``; ``None`` removes the condition. This is the
+    ``found_inf`` attribute a gradient scaler sets before such a step (torch.amp.GradScaler.step);
+    torch has no public argument for it, and ``tests/test_host_sync.py`` checks that each fused
+    optimizer still honours it."""
+    if skip is None:
+        vars(optimizer).pop("found_inf", None)
+        return
+    optimizer.found_inf = skip.float()

@@ -21,6 +21,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torchmetrics import MeanMetric
 
+from layers.compat import skip_update_on_device, supports_device_skip
 from layers.compile import compile_mode, compile_networks, cpu_compile_notice
 from tasks.compile_report import CompileReport
 from tasks.analysis import WorstExamples, lowest, model_cost, move_to, read_table
@@ -54,25 +55,6 @@ def zero_loss(module: nn.Module) -> torch.Tensor:
     """A zero loss that reaches every trainable parameter of ``module`` (DDP's gradient all-reduce
     waits for all of them)."""
     return sum(p.sum() for p in module.parameters() if p.requires_grad) * 0.0
-
-
-def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` can skip its update on the device (:func:`skip_update_on_device`):
-    torch's fused optimizers declare it with the flag gradient scalers check."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
-def skip_update_on_device(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None) -> None:
-    """Make the next ``optimizer.step()`` of a fused torch optimizer leave parameters, state and step
-    count unchanged where ``skip`` (a 0-d bool tensor on the parameters' device) is true, decided by
-    the kernel without the host reading ``skip``; ``None`` removes the condition. This is the
-    ``found_inf`` attribute a gradient scaler sets before such a step (torch.amp.GradScaler.step);
-    torch has no public argument for it, and ``tests/test_host_sync.py`` checks that each fused
-    optimizer still honours it."""
-    if skip is None:
-        vars(optimizer).pop("found_inf", None)
-        return
-    optimizer.found_inf = skip.float()
 
 
 @dataclass

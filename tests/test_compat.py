@@ -22,7 +22,8 @@ def test_private_name_kept_in_compat_still_exists(module, name, use):
     for part in owners:
         found = getattr(found, part, None)
     if inspect.isclass(found) and not hasattr(found, last):  # an attribute each instance sets itself
-        found = found if f"self.{last}" in inspect.getsource(found) else None
+        source = inspect.getsource(found)
+        found = found if f"self.{last}" in source or f'getattr(self, "{last}"' in source else None
     else:
         found = getattr(found, last, None)
     assert found is not None, (f"{library} {version(library)}: {module}.{name} is gone; layers/compat.py uses it "

@@ -185,7 +185,7 @@ def test_fused_optimizers_skip_an_update_on_the_device(name):
     """The guard relies on torch's fused optimizers honouring ``found_inf`` (the flag a gradient scaler
     sets): a flagged step leaves parameters, state and step count as they were, and the next step
     equals the step of an optimizer that never saw the flagged one."""
-    from tasks.base import skip_update_on_device, supports_device_skip
+    from layers.compat import skip_update_on_device, supports_device_skip
 
     kwargs = {"SGD": dict(lr=0.1, momentum=0.9)}.get(name, dict(lr=0.1))
     torch.manual_seed(0)
