@@ -103,8 +103,11 @@ class StepTimer(Callback):
 
 
 class DemoTimer(Callback):
-    """Stops a fit ``seconds`` after it started and writes ``{steps, it_per_s, ...}`` to ``output``: training
-    steps per second from the end of step ``warmup`` to the last one, validation time left out."""
+    """Stops a fit ``seconds`` after it started (once a few steps are timed) and writes ``{steps, it_per_s, ...}``
+    to ``output``: training steps per second from the end of step ``warmup`` to the last one, validation time
+    left out."""
+
+    MIN_TIMED_STEPS = 3  # a slow start (a busy CPU) still yields a rate
 
     def __init__(self, output: str, seconds: float = 60.0, warmup: int = 5):
         self.output, self.seconds, self.warmup = output, seconds, warmup
@@ -139,7 +142,7 @@ class DemoTimer(Callback):
         elif self.timed_start is not None:
             self.steps += 1
         self.last_end = now
-        if now - self.fit_start >= self.seconds:
+        if now - self.fit_start >= self.seconds and self.steps >= self.MIN_TIMED_STEPS:
             self._sync(pl_module)
             self.last_end = time.perf_counter()
             self.write(trainer, pl_module)
@@ -245,7 +248,9 @@ def demo(args) -> int:
     row = {"command": "python -m tasks.detect fit --trainer.logger false" + (" (tiny sizes)" if args.tiny else ""),
            "seconds_asked": args.demo, "wall_s": round(time.perf_counter() - start, 1)}
     if result_file.exists():
-        row.update(status="ok", **json.loads(result_file.read_text()))
+        row.update(**json.loads(result_file.read_text()))
+        row.update(status="ok" if row["it_per_s"] else "failed",
+                   error=None if row["it_per_s"] else "the fit ended before a step was timed")
     else:
         row.update(status="failed", error=stopped or (proc.stderr or proc.stdout)[-2000:])
     args.output.mkdir(parents=True, exist_ok=True)

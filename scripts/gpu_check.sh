@@ -109,7 +109,8 @@ run_stage() {
   mkdir -p "$folder"
   timeout --signal=TERM --kill-after=10 "$box_s" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
-  echo "| $name | $box_s | $(( SECONDS - began )) | $rc$( (( rc == 124 || rc == 137 )) && echo ' (box)') |" >> "$work/stages.md"
+  local label=$box_s; [[ -n "$tiny" ]] && label="none"
+  echo "| $name | $label | $(( SECONDS - began )) | $rc$( (( rc == 124 || rc == 137 )) && echo ' (box)') |" >> "$work/stages.md"
   for f in "$folder"/*.json; do [[ -e "$f" ]] && cp "$f" "$out/"; done
   for f in "$folder"/*.md; do [[ -e "$f" ]] && { echo; echo "## $name: $(basename "$f")"; echo; cat "$f"; } >> "$work/tables.md"; done
   write_summary

@@ -48,7 +48,7 @@ def test_all_stages_pass_tiny_on_the_cpu(tmp_path):
 
     summary = (out / "summary.md").read_text()
     for stage in ("cli", "suite", "fit", "demo"):
-        assert re.search(rf"^\| {stage} \| \d+ \| \d+ \| 0 \|$", summary, re.M), summary[:2000]
+        assert re.search(rf"^\| {stage} \| none \| \d+ \| 0 \|$", summary, re.M), summary[:2000]
     assert "## cli: gpu_cli.md" in summary and "## demo: demo.md" in summary
 
     cells = {(r["task"], r["cell"]): r for r in json.loads((out / "gpu_cli.json").read_text())["rows"]}
