@@ -59,6 +59,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from layers.machine import AUTO, apply_cpu_plan, machine_cores, plan_cpu
 from tasks.checkpoint_io import AtomicCheckpointIO
 from tasks.checkpoints import LAST_NAME, LatestCheckpoint, check_checkpoint_file, read_checkpoint
+from tasks.determinism import check_deterministic
 from tasks.preemption import Preemption, resume_command
 from tasks.progress import LineProgress, stdout_is_terminal
 from tasks.recipes import SUBCOMMANDS, given_keys, recipe_path, with_default_config
@@ -192,6 +193,7 @@ class SuiteCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         trainer = config.trainer
+        check_deterministic(self.subcommand, trainer, config.get("model"), self.model_class)
         if self.checkpoint_path is not None:
             config.ckpt_path = self.checkpoint_path  # kept out of parsing: see with_checkpoint_arguments
         # one checkpoint directory per run root, so `--ckpt_path last` finds the interrupted run

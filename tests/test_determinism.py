@@ -117,3 +117,11 @@ def test_what_each_task_states_is_what_its_fit_dispatches(task, head, tmp_path):
              "--data.num_workers", "0", "--trainer.callbacks+=tests.test_determinism.RecordNondeterministic",
              "--trainer.callbacks.init_args.report", str(report), cwd=tmp_path)
     assert set(json.loads(report.read_text())) == set(run_ops(task, head, training=True))
+
+
+def test_the_segmentation_cli_refuses_a_deterministic_gpu_fit_before_building_anything(tmp_path, monkeypatch):
+    from tasks.segment import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"upsample_bilinear2d.*--trainer.deterministic warn"):
+        main(["fit", "--trainer.accelerator", "gpu", "--trainer.deterministic", "true", "--trainer.logger", "false"])
