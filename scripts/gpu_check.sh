@@ -5,8 +5,8 @@
 #   bash scripts/gpu_check.sh cli|suite|fit|demo OUT [--tiny]   # one stage, in its own time box
 #   bash scripts/gpu_check.sh compile OUT          # bench_compile.py: compile cost through the CLI (~6 min)
 #
-# Stages and their time boxes on a GPU (seconds), sized from the first GPU run (an H200 with 16 cores,
-# ../shared/gpu-2026-11-27-h200: CLI processes of 20-48 s with 4 side by side, resume cells 74-119 s,
+# Stages and their time boxes on a GPU (seconds), sized from the first GPU run of these checks (an H200 with
+# 16 cores, 2026-11-27: CLI processes of 20-48 s with 4 side by side, resume cells 74-119 s,
 # ~23-29 s per gpu_suite run, 0.43 it/s for the demo beside other jobs):
 #   setup  15  wheels from .whl (49 MB, unpacked, nothing compiled) and the machine's description
 #   cli   215  benchmarks/gpu_cli.py --budget-s 205: fit, resume, test, predict, export, fp16 and both compile
