@@ -88,6 +88,12 @@ def softmax_over(x: Tensor, dims: tuple[int, ...]) -> Tensor:
     The dims are moved last and flattened into one contiguous axis (a copy of ``x``), so one fused
     softmax kernel runs forward and one backward; the result is a view back in ``x``'s order."""
     dims = sorted(d % x.ndim for d in dims)
+    if torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting():
+        # an exported graph takes any multiple of the size it was traced at, and ONNX Runtime's buffer
+        # planner mis-sizes the flattened softmax of such a grid (a shape mismatch at 2x the traced size):
+        # the graph gets the same numbers as max, exp and sum
+        shifted = (x - x.amax(dim=dims, keepdim=True)).exp()
+        return shifted / shifted.sum(dim=dims, keepdim=True)
     order = [d for d in range(x.ndim) if d not in dims] + dims
     moved = x.permute(order)
     flat = moved.reshape(*moved.shape[: x.ndim - len(dims)], -1).softmax(dim=-1)
