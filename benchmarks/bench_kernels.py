@@ -43,7 +43,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -51,7 +50,8 @@ sys.path.insert(0, str(REPO))
 from backbones import create_backbone  # noqa: E402
 from heads.classifier import ClassifierHead  # noqa: E402
 from layers.attention import Attention  # noqa: E402
-from layers.compat import autograd_input_metadata, fake_tensor_mode, torch_dispatch_mode  # noqa: E402
+from layers.compat import (autograd_input_metadata, fake_tensor_mode, op_arguments,  # noqa: E402
+                           torch_dispatch_mode)
 from layers.cpu_speedups import cpu_speedups  # noqa: E402
 
 aten = torch.ops.aten
@@ -155,7 +155,14 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 def tensors(tree) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    """The tensors in an op's arguments or results (nested tuples, lists and dicts), in order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = tree.values()
+    if isinstance(tree, (tuple, list, type({}.values()))):
+        return [t for item in tree for t in tensors(item)]
+    return []
 
 
 def traffic(func, args: tuple, kwargs: dict, out) -> int:
@@ -166,7 +173,7 @@ def traffic(func, args: tuple, kwargs: dict, out) -> int:
         read = read[1:]
     written = tensors(out)
     returned = {id(t) for t in written}
-    for arg, value in zip(func._schema.arguments, args):
+    for arg, value in zip(op_arguments(func), args):
         if arg.alias_info is not None and arg.alias_info.is_write:
             written += [t for t in tensors(value) if id(t) not in returned]
     return sum(map(nbytes, read)) + sum(map(nbytes, written))

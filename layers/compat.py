@@ -18,6 +18,10 @@ PRIVATE_NAMES = [
      "tests/test_fusion.py: an op log that shows which aten ops a block runs (in-place activations)"),
     ("torch._subclasses.fake_tensor", "FakeTensorMode",
      "benchmarks/bench_kernels.py: a network run on fake CUDA tensors takes CUDA's dispatch decisions without a GPU"),
+    ("torch._ops", "OpOverload._schema",
+     "benchmarks/bench_kernels.py (op_arguments): which arguments an aten op writes, for the bytes it moves"),
+    ("torch.ops.aten", "_scaled_dot_product_flash_attention",
+     "benchmarks/bench_kernels.py: the flash attention kernel CUDA's SDPA picks, run on fake CUDA tensors"),
     ("torch._C._autograd", "_InputMetadata",
      "benchmarks/bench_kernels.py: what an autograd node's _input_metadata holds, the shape and dtype of each "
      "gradient it expects (tests/test_bench_kernels.py runs it)"),
@@ -78,6 +82,12 @@ def autograd_input_metadata(node) -> tuple:
     """Shape and dtype (``.shape``, ``.dtype``) of each gradient an autograd node receives, which autograd's
     engine checks between nodes; torch exposes them only as this attribute of the node."""
     return node._input_metadata
+
+
+def op_arguments(op) -> list:
+    """The declared arguments of an aten op overload (name, type, ``alias_info.is_write`` for the ones it
+    writes in place); torch keeps its schema in this attribute only."""
+    return op._schema.arguments
 
 
 def cpu_sdpa_kernels() -> tuple:
