@@ -1,6 +1,6 @@
 """The attention zoo on vision and language: every attention variant of ``layers.attention``
 trained on the classification demo (MobileViTv2-0.5's token mixer) and the translation demo (the
-Transformer encoder's self-attention), for several seeds, then one table through ``tasks.report``.
+Transformer encoder's self-attention), for several seeds, then one table through ``tasks.tools.report``.
 
 Each run is the task's own CLI on a shipped recipe (``configs/classify/demo_mobilevitv2*.yaml``,
 ``configs/translate/demo_transformer*.yaml``): ``fit`` with ``--seed_everything S`` into
@@ -8,7 +8,7 @@ Each run is the task's own CLI on a shipped recipe (``configs/classify/demo_mobi
 ``predictions/metrics.json`` (metric, params, GFLOPs). The latency phase adds batch-1 CPU latency
 of the tested model's forward at its FLOPs input (median of ``--repeats`` after warm-up, one
 thread, every model in this one process, alternating) as ``predictions/latency.json``. Finally
-``python -m tasks.report`` groups the seeds into mean +- std.
+``python -m tasks.tools.report`` groups the seeds into mean +- std.
 
     nice python benchmarks/attention_zoo.py --out runs/zoo                   # all: 2 tasks x 5 variants x 3 seeds
     python benchmarks/attention_zoo.py --out runs/zoo --tasks classify --seeds 0 --epochs classify=2
@@ -66,7 +66,7 @@ def measure_latency(run_dirs: list[Path], repeats: int) -> None:
     process (one thread) so that every model sees the same machine state."""
     import torch
 
-    from tasks.checkpoints import read_checkpoint
+    from tasks.engine.checkpoints import read_checkpoint
     from tasks.classify import ClassificationTask
     from tasks.translate import TranslationTask
 
@@ -123,7 +123,7 @@ def main() -> None:
         measure_latency([run_dir for *_, run_dir in runs], args.repeats)
     if "report" in args.phases:
         for task in args.tasks:
-            run([sys.executable, "-m", "tasks.report", str(args.out / task), "--output", str(args.out / task / "report")])
+            run([sys.executable, "-m", "tasks.tools.report", str(args.out / task), "--output", str(args.out / task / "report")])
             print((args.out / task / "report" / "report.md").read_text(), flush=True)
 
 

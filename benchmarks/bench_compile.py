@@ -9,7 +9,7 @@ For each task and each of ``--modes`` (``false``, ``network``, ``regional``), it
 validation, in a child process, twice: first with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR``
 a fresh folder: what a user's first run pays), then again with the cache the first run filled (a
 later run of the same model). It reads from the run's output what the task reports
-(:class:`tasks.compile_report.CompileReport`: the first and second training and validation steps)
+(:class:`tasks.engine.compile_report.CompileReport`: the first and second training and validation steps)
 and takes the wall time of the whole command, start-up included. Runs go one at a time; run it on an
 otherwise quiet machine.
 

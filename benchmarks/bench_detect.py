@@ -204,7 +204,7 @@ def bench_eval(args) -> None:
     from pycocotools.cocoeval import COCOeval
     from torchmetrics.detection import MeanAveragePrecision
 
-    from tasks.coco_map import CocoMeanAveragePrecision
+    from tasks.metrics.coco_map import CocoMeanAveragePrecision
 
     dataset, results, preds, targets = synthetic_coco_eval_set(args.images)
     image_ids = [image["id"] for image in dataset["images"]]
@@ -268,7 +268,7 @@ def bench_eval(args) -> None:
 
 
 def main() -> None:
-    from tasks.runtime import reuse_freed_memory
+    from tasks.engine.runtime import reuse_freed_memory
 
     reuse_freed_memory()  # as the CLIs do; ours and the peer share this process, so both get it
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,7 +1,7 @@
 """CPU latency of the exported graphs on ONNX Runtime against our eager PyTorch and timm, in one process.
 
 For each model, the graph ``python -m tasks.<task> export`` would write (built here with random
-weights through the same :mod:`tasks.export` code, so no checkpoint is needed) is run by ONNX
+weights through the same :mod:`tasks.export.command` code, so no checkpoint is needed) is run by ONNX
 Runtime (CPU provider, default graph optimisations) beside the eager PyTorch model
 (``torch.inference_mode``, eval mode) and, for the classifiers, timm's twin, on the same input
 at batch 1 and batch 8. Eager runs the same computation as the graph: logits for the classifiers,
@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backbones import create_backbone  # noqa: E402
 from tasks.classify import ClassificationTask  # noqa: E402
-from tasks.onnx_classification import ClassifierGraph  # noqa: E402
-from tasks.onnx_detection import CUSTOM_TRANSLATIONS, DetectorGraph  # noqa: E402
-from tasks.onnx_export import export_graph  # noqa: E402
-from tasks.onnx_segmentation import SegmenterGraph  # noqa: E402
+from tasks.export.classification import ClassifierGraph  # noqa: E402
+from tasks.export.detection import CUSTOM_TRANSLATIONS, DetectorGraph  # noqa: E402
+from tasks.export.onnx import export_graph  # noqa: E402
+from tasks.export.segmentation import SegmenterGraph  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -166,7 +166,7 @@ def markdown_row(row: dict) -> str:
 
 
 def main() -> None:
-    from tasks.runtime import reuse_freed_memory
+    from tasks.engine.runtime import reuse_freed_memory
 
     reuse_freed_memory()  # as the CLIs do; ours and the peer share this process, so both get it
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

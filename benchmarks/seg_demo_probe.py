@@ -40,8 +40,8 @@ from backbones.convmixer import ConvMixer  # noqa: E402
 from datamodules.segmentation import IGNORE_INDEX, SegmentationDataModule  # noqa: E402
 from heads.deeplabv3 import DeepLabV3  # noqa: E402
 from heads.pspnet import PSPNet  # noqa: E402
-from tasks.recipes import recipe_path  # noqa: E402
-from tasks.optim import WarmupCosineLR  # noqa: E402
+from tasks.engine.recipes import recipe_path  # noqa: E402
+from tasks.engine.optim import WarmupCosineLR  # noqa: E402
 from tasks.segment import SegmentationMetric, SegmentationTask  # noqa: E402
 
 #: the demo recipe: the probe's defaults and everything it does not vary come from it

@@ -82,7 +82,7 @@ class ImageFiles(Dataset):
 
 def image_item(pixels: torch.Tensor, path: str, transform) -> tuple[torch.Tensor, dict]:
     """(3, H, W) uint8 upright pixels -> the ``predict`` item ``(image, {"path", "orig_size"})``; shared by
-    :class:`ImageFiles`, the streamed predict split and ``DetectionTask.predict`` (:mod:`tasks.api`)."""
+    :class:`ImageFiles`, the streamed predict split and ``DetectionTask.predict`` (:mod:`tasks.engine.predictor`)."""
     info = {"path": path, "orig_size": tuple(int(s) for s in pixels.shape[-2:])}
     return transform(tv_tensors.Image(pixels)), info
 

@@ -2,7 +2,7 @@
 
 A vision datamodule states it from its arguments (its ``input_spec`` property) and builds its
 evaluation transform from it; the task keeps the one it was trained with in its checkpoint
-(:class:`tasks.api.Predictor`), so ``model.predict(images)`` and ``export`` prepare images as the
+(:class:`tasks.engine.predictor.Predictor`), so ``model.predict(images)`` and ``export`` prepare images as the
 datamodule's ``validate`` / ``test`` / ``predict`` do, with nothing but the checkpoint.
 
 The three evaluation policies of the suite:

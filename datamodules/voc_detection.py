@@ -24,7 +24,7 @@ kept as the file has it.
 
 Difficult objects (``<difficult>1</difficult>``) are left out of training unless
 ``use_difficult_in_training`` and kept, flagged, in the evaluation ground truth:
-:class:`tasks.voc_map.VocMeanAveragePrecision` ignores detections of them and does not count them
+:class:`tasks.metrics.voc_map.VocMeanAveragePrecision` ignores detections of them and does not count them
 in recall. Label ``i`` is class ``class_names[i]`` and category id ``i + 1`` (``detections.json``).
 
 Splits. VOC practice (SSD, mmdetection's voc0712): train on ``trainval``, evaluate on VOC2007
@@ -438,7 +438,7 @@ class VocDetectionDataModule(DetectionDataModule):
             streamed split named by ``+`` (``trainval+../VOC2012/trainval``).
 
     The task reads ``num_classes``, ``category_ids`` (``1 .. K``: label + 1), ``category_names`` and
-    ``evaluation_metric`` (``"voc"``: :class:`tasks.voc_map.VocMeanAveragePrecision`).
+    ``evaluation_metric`` (``"voc"``: :class:`tasks.metrics.voc_map.VocMeanAveragePrecision`).
     """
 
     #: the metric the detection task scores this data with

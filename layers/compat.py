@@ -11,7 +11,7 @@ from __future__ import annotations
 #: (module, private name, what the suite uses it for): checked by tests/test_compat.py
 PRIVATE_NAMES = [
     ("lightning.pytorch.core.mixins.hparams_mixin", "_given_hyperparameters",
-     "tasks.base: is LightningCLI building this model (save its resolved config) or plain Python"),
+     "tasks.engine.base: is LightningCLI building this model (save its resolved config) or plain Python"),
     ("torch.utils._python_dispatch", "is_in_torch_dispatch_mode",
      "layers.cpu_speedups: the CPU speed paths step aside for the FLOP counter and other dispatch modes"),
     ("torch.utils._python_dispatch", "TorchDispatchMode",

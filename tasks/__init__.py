@@ -1,10 +1,53 @@
-"""The four tasks (``python -m tasks.classify|detect|segment|translate``) and, for Python,
-``tasks.load(checkpoint)``: the trained model, ready for ``model.predict(inputs)`` (:mod:`tasks.api`)."""
+"""The four tasks and what they stand on.
+
+    tasks/<task>.py   one LightningModule per task (classify, detect, segment, translate): forward, loss,
+                      metric updates; ``python -m tasks.<task> fit|validate|test|predict|export``
+    tasks/engine/     what every task shares: the module base, the CLI and its config, checkpoints,
+                      pre-emption, resume, progress, the Python predictor
+    tasks/metrics/    the benchmark metrics, each equal to its reference implementation
+    tasks/outputs/    the files `test` and `predict` write, one callback per output
+    tasks/export/     the ONNX export command and one graph module per task
+    tools/            commands over finished runs (``python -m tasks.tools.report``, ``average_checkpoints``)
+
+For Python, ``tasks.load(checkpoint)`` gives the trained model, ready for ``model.predict(inputs)``
+(:mod:`tasks.engine.predictor`).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
+#: modules that moved, by their old names: a saved config or checkpoint names classes by module path
+#: (a scheduler's ``class_path: tasks.optim.WarmupCosineLR``), so the old names still import
+MOVED_MODULES = {
+    "tasks.optim": "tasks.engine.optim",
+}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports an old module name as the module it moved to (the same module object)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name in MOVED_MODULES:
+            return importlib.util.spec_from_loader(name, self)
+        return None
+
+    def create_module(self, spec):
+        return importlib.import_module(MOVED_MODULES[spec.name])
+
+    def exec_module(self, module) -> None:
+        pass  # already executed under its new name
+
+
+if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModuleFinder())
 
 
 def load(path, map_location="cpu"):
     """The model of a checkpoint written by this suite, as the task class it names, in evaluation mode
-    (:func:`tasks.api.load`)."""
-    from tasks.api import load as load_model
+    (:func:`tasks.engine.predictor.load`)."""
+    from tasks.engine.predictor import load as load_model
 
     return load_model(path, map_location)

@@ -22,11 +22,11 @@ from backbones import Backbone
 from backbones.weights import classifier_state, load_pretrained
 from datamodules.input_spec import classification_spec, input_spec_of
 from heads.classifier import ClassifierHead
-from tasks.analysis import (displayable, draw_after_metrics, with_caption, write_confusion_matrix_png,
+from tasks.engine.analysis import (displayable, draw_after_metrics, with_caption, write_confusion_matrix_png,
                             write_worst_csv)
-from tasks import onnx_classification
-from tasks.api import Predictor
-from tasks.base import TaskModule
+from tasks.export import classification as onnx_classification
+from tasks.engine.predictor import Predictor
+from tasks.engine.base import TaskModule
 
 
 class ClassificationTask(Predictor, TaskModule):
@@ -43,11 +43,11 @@ class ClassificationTask(Predictor, TaskModule):
             backbone-only start use the backbone's own ``pretrained`` argument.
         num_sample_images: images logged to wandb with their predictions each validation epoch,
             drawn from batches spread over the split.
-        Remaining arguments: see :class:`tasks.base.TaskModule`.
+        Remaining arguments: see :class:`tasks.engine.base.TaskModule`.
     """
 
     DATA_LINKS = {"classes": "class_names"}
-    #: the input specification of an image-folder datamodule's arguments (see :class:`tasks.api.Predictor`)
+    #: the input specification of an image-folder datamodule's arguments (see :class:`tasks.engine.predictor.Predictor`)
     input_spec_rule = staticmethod(classification_spec)
     #: the module that writes this task's ONNX graph and checks it (``python -m tasks.classify export``)
     onnx_export = onnx_classification
@@ -219,7 +219,7 @@ class ClassificationTask(Predictor, TaskModule):
             self._predict_rows.append((index, path, scores, labels))
 
     def predict_inputs(self, inputs: list, top_k: int = 5) -> list[list[tuple[str, float]]]:
-        """``model.predict(images, top_k=5)`` (:mod:`tasks.api`): per image ``[(class name, probability), ...]``,
+        """``model.predict(images, top_k=5)`` (:mod:`tasks.engine.predictor`): per image ``[(class name, probability), ...]``,
         the ``top_k`` most probable classes, best first."""
         images, _ = self.prepared_images(inputs)
         top_scores, top_labels = self.top_classes(torch.stack(images).to(self.device), top_k)
@@ -253,7 +253,7 @@ class ClassificationTask(Predictor, TaskModule):
 
 def main(args=None) -> None:
     from datamodules.imagefolder import ImageFolderDataModule
-    from tasks.cli import SuiteCLI
+    from tasks.engine.cli import SuiteCLI
 
     SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
              monitor="val/top1", args=args)

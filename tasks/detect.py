@@ -1,9 +1,9 @@
 """Object detection: ``python -m tasks.detect {fit,validate,test,predict}``.
 
 SSDLite on any backbone, scored with the benchmark's metric: COCO mAP for COCO-layout data
-(:class:`tasks.coco_map.CocoMeanAveragePrecision`: pycocotools' COCOeval numbers, computed by
+(:class:`tasks.metrics.coco_map.CocoMeanAveragePrecision`: pycocotools' COCOeval numbers, computed by
 faster_coco_eval), VOC mAP@0.5 for Pascal VOC (``--data datamodules.voc_detection.VocDetectionDataModule``,
-:class:`tasks.voc_map.VocMeanAveragePrecision`). The datamodule says which (``evaluation_metric``). `test` writes
+:class:`tasks.metrics.voc_map.VocMeanAveragePrecision`). The datamodule says which (``evaluation_metric``). `test` writes
 ``predictions/detections.json`` (COCO results format: the annotation file's image and
 category ids, ``[x, y, w, h]`` boxes in original-image pixels), ``predictions/metrics.json`` and
 ``predictions/per_class.csv`` (per category AP, AP50, AP75, AR100 from the same COCOeval run; VOC: AP50)
@@ -33,11 +33,11 @@ from backbones import Backbone
 from datamodules.input_spec import detection_spec, input_spec_of
 from datamodules.images import output_names, read_rgb
 from heads.ssdlite import SSDLiteHead
-from tasks.analysis import displayable, draw_after_metrics, drawable_boxes, write_worst_csv
-from tasks import onnx_detection
-from tasks.api import Predictor
-from tasks.base import TaskModule
-from tasks.coco_map import MAP_KEYS, CocoMeanAveragePrecision, coco_per_class
+from tasks.engine.analysis import displayable, draw_after_metrics, drawable_boxes, write_worst_csv
+from tasks.export import detection as onnx_detection
+from tasks.engine.predictor import Predictor
+from tasks.engine.base import TaskModule
+from tasks.metrics.coco_map import MAP_KEYS, CocoMeanAveragePrecision, coco_per_class
 
 #: builds a head from ``(backbone.feature_channels, num_classes)``; YAML: ``class_path: heads.ssdlite.SSDLiteHead``
 DetectionHeadFactory = Callable[[dict[int, int], int], SSDLiteHead]
@@ -89,11 +89,11 @@ class DetectionTask(Predictor, TaskModule):
         num_sample_images: validation images logged to wandb with predicted and true boxes.
         display_score_threshold: lowest score drawn on logged images and kept by `predict`.
         draw_predictions: `predict` also writes each image with its boxes drawn.
-        Remaining arguments: see :class:`tasks.base.TaskModule`.
+        Remaining arguments: see :class:`tasks.engine.base.TaskModule`.
     """
 
     DATA_LINKS = {"num_classes": "num_classes", "category_ids": "category_ids", "category_names": "category_names"}
-    #: the input specification of a detection datamodule's arguments (see :class:`tasks.api.Predictor`)
+    #: the input specification of a detection datamodule's arguments (see :class:`tasks.engine.predictor.Predictor`)
     input_spec_rule = staticmethod(detection_spec)
     #: the module that writes this task's ONNX graph and checks it (``python -m tasks.detect export``)
     onnx_export = onnx_detection
@@ -129,7 +129,7 @@ class DetectionTask(Predictor, TaskModule):
         # the benchmark's own metric: COCO mAP for COCO-layout data, VOC mAP@0.5 for Pascal VOC
         kind = getattr(getattr(self.trainer, "datamodule", None), "evaluation_metric", "coco")
         if kind == "voc":
-            from tasks.voc_map import VocMeanAveragePrecision
+            from tasks.metrics.voc_map import VocMeanAveragePrecision
 
             self.val_map = VocMeanAveragePrecision(num_classes=self.num_classes)
             self.test_map = VocMeanAveragePrecision(num_classes=self.num_classes)
@@ -335,7 +335,7 @@ class DetectionTask(Predictor, TaskModule):
         return rows
 
     def predict_inputs(self, inputs: list, score_threshold: float | None = None) -> list[list[dict]]:
-        """``model.predict(images, score_threshold=None)`` (:mod:`tasks.api`): per image ``[{"box": [x1, y1, x2,
+        """``model.predict(images, score_threshold=None)`` (:mod:`tasks.engine.predictor`): per image ``[{"box": [x1, y1, x2,
         y2] in original pixels, "score", "category_id", "category_name"}, ...]``, best first, scoring at least
         ``score_threshold`` (default ``display_score_threshold``, as `predict` writes)."""
         images, read = self.prepared_images(inputs)
@@ -408,7 +408,7 @@ class DetectionTask(Predictor, TaskModule):
 
 def main(args=None) -> None:
     from datamodules.coco import CocoDataModule
-    from tasks.cli import SuiteCLI
+    from tasks.engine.cli import SuiteCLI
 
     SuiteCLI(DetectionTask, CocoDataModule, task="detect", default_config="demo_ssdlite_mobilevitv2.yaml",
              monitor="val/map", args=args)

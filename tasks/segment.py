@@ -40,10 +40,10 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 from backbones import Backbone
 from heads.deeplabv3 import DeepLabV3
 from heads.seg_common import SegmentationHead
-from tasks.analysis import displayable, draw_after_metrics, write_worst_csv
-from tasks import onnx_segmentation
-from tasks.api import Predictor
-from tasks.base import TaskModule
+from tasks.engine.analysis import displayable, draw_after_metrics, write_worst_csv
+from tasks.export import segmentation as onnx_segmentation
+from tasks.engine.predictor import Predictor
+from tasks.engine.base import TaskModule
 
 
 #: builds a head from ``(backbone.feature_channels, num_classes, stage_channels=backbone.stage_channels)``;
@@ -126,11 +126,11 @@ class SegmentationTask(Predictor, TaskModule):
             e.g. to stop a dominant background from drowning the rare classes; ``None``: all 1.
             The loss stays a weighted mean over the labelled pixels; scores are unaffected.
         num_sample_images: validation images logged to wandb with prediction / truth masks each epoch.
-        Remaining arguments: see :class:`tasks.base.TaskModule`.
+        Remaining arguments: see :class:`tasks.engine.base.TaskModule`.
     """
 
     DATA_LINKS = {"class_names": "class_names"}
-    #: the input specification of a segmentation datamodule's arguments (see :class:`tasks.api.Predictor`)
+    #: the input specification of a segmentation datamodule's arguments (see :class:`tasks.engine.predictor.Predictor`)
     input_spec_rule = staticmethod(segmentation_spec)
     #: the module that writes this task's ONNX graph and checks it (``python -m tasks.segment export``)
     onnx_export = onnx_segmentation
@@ -320,7 +320,7 @@ class SegmentationTask(Predictor, TaskModule):
             Image.fromarray(overlay).save(overlay_path, quality=90)
 
     def predict_inputs(self, inputs: list) -> list[np.ndarray]:
-        """``model.predict(images)`` (:mod:`tasks.api`): per image its (H, W) labels at the original size
+        """``model.predict(images)`` (:mod:`tasks.engine.predictor`): per image its (H, W) labels at the original size
         (uint8 up to 256 classes, else int64); label i is ``class_names[i]``. One image per forward, as
         evaluation and `predict` run."""
         images, read = self.prepared_images(inputs)
@@ -351,7 +351,7 @@ class SegmentationTask(Predictor, TaskModule):
 
 def main(args=None) -> None:
     from datamodules.segmentation import SegmentationDataModule
-    from tasks.cli import SuiteCLI
+    from tasks.engine.cli import SuiteCLI
 
     SuiteCLI(SegmentationTask, SegmentationDataModule, task="segment", default_config="demo_deeplabv3_convmixer.yaml",
              monitor="val/miou", mode="max", args=args)

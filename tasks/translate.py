@@ -38,10 +38,10 @@ from backbones.transformer import TransformerEncoder
 from datamodules.tokenizer import Tokenizer
 from heads.decoding import Hypotheses, beam_search, greedy_search, max_output_lengths
 from heads.seq2seq import TransformerDecoder
-from tasks.analysis import write_worst_csv
-from tasks import onnx_translation
-from tasks.api import Predictor
-from tasks.base import TaskModule
+from tasks.engine.analysis import write_worst_csv
+from tasks.export import translation as onnx_translation
+from tasks.engine.predictor import Predictor
+from tasks.engine.base import TaskModule
 
 
 def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: float, ignore_index: int
@@ -116,7 +116,7 @@ class TranslationTask(Predictor, TaskModule):
         max_len_a, max_len_b: outputs are at most ``a * source length + b`` tokens.
         num_sample_translations: rows of the wandb table of validation translations.
         predict_output: where `predict` writes its translations (``-`` = standard output).
-        Remaining arguments: see :class:`tasks.base.TaskModule`.
+        Remaining arguments: see :class:`tasks.engine.base.TaskModule`.
     """
 
     DATA_LINKS = {"vocab_size": "vocab_size", "pad_id": "pad_id", "bos_id": "bos_id", "eos_id": "eos_id",
@@ -363,7 +363,7 @@ class TranslationTask(Predictor, TaskModule):
         return isinstance(inputs, str)
 
     def predict_inputs(self, inputs: list[str], beam_size: int | None = None) -> list[str]:
-        """``model.predict(texts, beam_size=None)`` (:mod:`tasks.api`): each source sentence's translation;
+        """``model.predict(texts, beam_size=None)`` (:mod:`tasks.engine.predictor`): each source sentence's translation;
         a sentence longer than ``max_positions - 1`` tokens is cut there, with a warning, as `predict` does."""
         cut: list[int] = []
         translations = self.translate_texts([str(text) for text in inputs], cut, beam_size)
@@ -440,7 +440,7 @@ def _stdout_for_translations(enabled: bool):
 
 def main(args=None) -> None:
     from datamodules.wmt import TranslationDataModule
-    from tasks.cli import SuiteCLI
+    from tasks.engine.cli import SuiteCLI
 
     argv = sys.argv[1:] if args is None else list(args)
     with _stdout_for_translations("predict" in argv and "--print_config" not in argv):

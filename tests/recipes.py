@@ -88,7 +88,7 @@ def training_facts(config: dict) -> dict:
         "lr": value(config, "model.optimizer.lr"),
         "weight_decay": value(config, "model.optimizer.weight_decay"),
         "no_decay_on_norm_and_bias": value(config, "model.no_weight_decay_on_norm_bias"),
-        "schedule": "fixed" if scheduler is None else {"tasks.optim.WarmupCosineLR": "cosine"}.get(
+        "schedule": "fixed" if scheduler is None else {"tasks.engine.optim.WarmupCosineLR": "cosine"}.get(
             scheduler["class_path"], scheduler["class_path"]),
         "min_lr": value(scheduler, "min_lr") if scheduler else None,
         "warmup_steps": value(scheduler, "warmup_steps") if scheduler else 0,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backbones import MobileViTv2
-from tasks.analysis import WorstExamples, count_flops, lowest, most_confused, write_confusion_matrix_png
+from tasks.engine.analysis import WorstExamples, count_flops, lowest, most_confused, write_confusion_matrix_png
 from tasks.classify import ClassificationTask
 from tasks.detect import image_f1
 from tasks.segment import image_miou

@@ -1,4 +1,4 @@
-"""The Python API (:mod:`tasks.api`): ``model.predict(inputs)`` gives what `predict` writes, on the same inputs.
+"""The Python API (:mod:`tasks.engine.predictor`): ``model.predict(inputs)`` gives what `predict` writes, on the same inputs.
 
 Default cells build a tiny untrained model of each task in Python and run Lightning's own ``predict``
 (the CLI's datamodule and ``predict_step``) beside ``model.predict``: the same classes and scores, boxes,

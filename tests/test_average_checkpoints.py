@@ -1,4 +1,4 @@
-"""Checkpoint averaging (``python -m tasks.average_checkpoints``) on the checkpoints of a real,
+"""Checkpoint averaging (``python -m tasks.tools.average_checkpoints``) on the checkpoints of a real,
 tiny translation fit: the average is the element-wise mean, `test` scores it like any checkpoint,
 and checkpoints that are not snapshots of one network are refused."""
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.average_checkpoints import TRAINING_STATE, average_checkpoints, last_checkpoints, main
+from tasks.tools.average_checkpoints import TRAINING_STATE, average_checkpoints, last_checkpoints, main
 from tests.conftest import run_task
 
 TINY = ["--model.dim", "32", "--model.encoder_depth", "1", "--model.decoder_depth", "1", "--model.num_heads", "2",

@@ -40,7 +40,7 @@ def test_lightning_cli_context_is_a_context_variable():
     assert built_by_lightning_cli() is False
 
 
-#: public LightningCLI methods tasks/cli.py overrides (before_fit, after_fit, ... are checked below)
+#: public LightningCLI methods tasks/engine/cli.py overrides (before_fit, after_fit, ... are checked below)
 CLI_HOOKS = ["parse_arguments", "add_arguments_to_parser", "before_instantiate_classes", "instantiate_trainer",
              "after_instantiate_classes"]
 
@@ -52,7 +52,7 @@ def test_lightning_cli_still_has_the_hooks_the_suite_overrides(hook):
     from lightning.pytorch.cli import LightningCLI
 
     assert callable(getattr(LightningCLI, hook, None)), (
-        f"lightning {version('lightning')}: LightningCLI.{hook} is gone; tasks/cli.py.SuiteCLI overrides it")
+        f"lightning {version('lightning')}: LightningCLI.{hook} is gone; tasks/engine/cli.py.SuiteCLI overrides it")
     source = inspect.getsource(LightningCLI)
     assert f"self.{hook}(" in source, (
         f"lightning {version('lightning')}: LightningCLI no longer calls self.{hook}(); SuiteCLI's override "
@@ -78,7 +78,7 @@ def test_lightning_cli_takes_the_constructor_arguments_the_suite_passes():
     params = inspect.signature(LightningCLI.__init__).parameters
     for name in ("save_config_callback", "save_config_kwargs", "seed_everything_default", "parser_kwargs",
                  "subclass_mode_data", "auto_configure_optimizers", "args", "run"):
-        assert name in params, f"lightning {version('lightning')}: LightningCLI(..., {name}=) is gone (tasks/cli.py)"
+        assert name in params, f"lightning {version('lightning')}: LightningCLI(..., {name}=) is gone (tasks/engine/cli.py)"
 
 
 def test_precision_plugin_clips_by_norm_and_value():
@@ -86,4 +86,4 @@ def test_precision_plugin_clips_by_norm_and_value():
 
     for name in ("clip_grad_by_norm", "clip_grad_by_value"):
         assert callable(getattr(MixedPrecision, name, None)), (
-            f"lightning {version('lightning')}: Precision.{name} is gone (tasks/base.py configure_gradient_clipping)")
+            f"lightning {version('lightning')}: Precision.{name} is gone (tasks/engine/base.py configure_gradient_clipping)")

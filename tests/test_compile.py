@@ -19,7 +19,7 @@ from heads.seq2seq import TransformerDecoder
 from layers.attention import list_attention
 from layers.compile import compile_mode, compile_networks, compile_regions, repeated_blocks
 from layers.transformer import TransformerBlock
-from tasks.compile_report import CompileReport
+from tasks.engine.compile_report import CompileReport
 
 
 class CountingBackend:

@@ -253,7 +253,7 @@ def test_voc_per_class_csv_is_the_metric_ap_per_class(tmp_path):
     import torch
 
     from tasks.detect import DetectionTask
-    from tasks.voc_map import VocMeanAveragePrecision
+    from tasks.metrics.voc_map import VocMeanAveragePrecision
 
     metric = VocMeanAveragePrecision(num_classes=3)
     gt = torch.tensor([[0.0, 0.0, 10.0, 10.0], [20.0, 20.0, 30.0, 30.0]])

@@ -61,7 +61,7 @@ def export(task: str, *args: str, capsys) -> str:
 def test_classification_export_matches_pytorch_on_demo_test_images(checkpoint, capsys):
     from datamodules.imagefolder import ImageFolderDataModule
     from tasks.classify import ClassificationTask
-    from tasks.onnx_export import graph_shapes, ort_session, read_metadata
+    from tasks.export.onnx import graph_shapes, ort_session, read_metadata
 
     ckpt = checkpoint("classify")
     out = export("classify", "--ckpt_path", str(ckpt), "--probabilities", "true", capsys=capsys)
@@ -119,8 +119,8 @@ def test_export_refuses_a_data_option_the_checkpoint_does_not_have(checkpoint, c
 def test_detection_export_matches_pytorch_on_demo_test_images(checkpoint, capsys):
     from datamodules.coco import CocoDataModule
     from tasks.detect import DetectionTask
-    from tasks.onnx_detection import match_detections
-    from tasks.onnx_export import graph_shapes, ort_session, read_metadata
+    from tasks.export.detection import match_detections
+    from tasks.export.onnx import graph_shapes, ort_session, read_metadata
 
     ckpt = checkpoint("detect")
     output = ckpt.parent / "exported" / "detector.onnx"
@@ -159,8 +159,8 @@ def test_detection_export_matches_pytorch_on_demo_test_images(checkpoint, capsys
 @pytest.mark.slow
 def test_segmentation_export_matches_pytorch_on_demo_test_images(checkpoint, capsys):
     from datamodules.segmentation import SegmentationDataModule
-    from tasks.onnx_export import graph_shapes, ort_session
-    from tasks.onnx_segmentation import label_disagreements
+    from tasks.export.onnx import graph_shapes, ort_session
+    from tasks.export.segmentation import label_disagreements
     from tasks.segment import SegmentationTask
 
     ckpt = checkpoint("segment")
@@ -189,7 +189,7 @@ def test_segmentation_export_matches_pytorch_on_demo_test_images(checkpoint, cap
 
 @pytest.mark.slow
 def test_translation_export_gives_the_same_hypotheses_on_the_demo_test_set(checkpoint, capsys, demo_cache, tmp_path):
-    from tasks.onnx_translation import OnnxTranslator
+    from tasks.export.translation import OnnxTranslator
     from tasks.translate import TranslationTask
 
     ckpt = checkpoint("translate")
@@ -216,7 +216,7 @@ def test_translation_export_gives_the_same_hypotheses_on_the_demo_test_set(check
     # the runner's command line: text in, text out
     (tmp_path / "in.en").write_text("\n".join(sources[:5]) + "\n", encoding="utf-8")
     proc = __import__("subprocess").run(
-        [sys.executable, "-m", "tasks.onnx_translation", str(encoder), "--input", str(tmp_path / "in.en")],
+        [sys.executable, "-m", "tasks.export.translation", str(encoder), "--input", str(tmp_path / "in.en")],
         capture_output=True, text=True, cwd=tmp_path, env=__import__("tests.conftest").conftest.clean_env())
     assert proc.returncode == 0, proc.stderr
     expected_text = model.tokenizer.decode(model.translate(model.encode_sources(sources[:5])).tokens.tolist())
@@ -225,7 +225,7 @@ def test_translation_export_gives_the_same_hypotheses_on_the_demo_test_set(check
 
 @pytest.mark.slow
 def test_vit_exports_at_its_one_size_and_refuses_another(checkpoint, capsys):
-    from tasks.onnx_export import graph_shapes, ort_session
+    from tasks.export.onnx import graph_shapes, ort_session
 
     vit = ["--model.backbone", "backbones.ViT", "--model.backbone.size", "tiny", "--model.backbone.patch_size", "16",
            "--model.backbone.img_size", "64", *FIT["classify"][2:]]  # the classification arguments but the width

@@ -12,10 +12,10 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from tasks import checkpoint_io
-from tasks.base import TaskModule
-from tasks.checkpoint_io import AtomicCheckpointIO
-from tasks.checkpoints import check_checkpoint_file
+from tasks.engine import checkpoint_io
+from tasks.engine.base import TaskModule
+from tasks.engine.checkpoint_io import AtomicCheckpointIO
+from tasks.engine.checkpoints import check_checkpoint_file
 
 
 class PoisonedRegression(TaskModule):

@@ -39,7 +39,7 @@ COMMON = {
     "model.optimizer.lr": (0.0009, "scheduler.cosine.max_lr"),
     "model.optimizer.betas": ([0.9, 0.999], "optim.adamw.beta1 / beta2"),
     "model.no_weight_decay_on_norm_bias": (False, "optim.no_decay_bn_filter_bias: false"),
-    "model.scheduler.class_path": ("tasks.optim.WarmupCosineLR", "scheduler.name: cosine"),
+    "model.scheduler.class_path": ("tasks.engine.optim.WarmupCosineLR", "scheduler.name: cosine"),
     "model.scheduler.warmup_steps": (500, "scheduler.warmup_iterations"),
     "model.scheduler.warmup_init_lr": (9e-5, "scheduler.warmup_init_lr"),
     "model.scheduler.min_lr": (1e-6, "scheduler.cosine.min_lr"),

@@ -50,7 +50,7 @@ def reference(size: str) -> dict[str, tuple[object, str]]:
         "betas": ([0.9, 0.98], f"{PAPER} section 5.3: beta1 0.9, beta2 0.98"),
         "adam_eps": (1e-9, f"{PAPER} section 5.3: epsilon 1e-9"),
         "peak_lr": (peak_lr(d_model), f"{PAPER} section 5.3 formula at step = warmup_steps"),
-        "schedule": ("tasks.optim.InverseSqrtLR", f"{PAPER} section 5.3: linear warm-up, then step^-0.5"),
+        "schedule": ("tasks.engine.optim.InverseSqrtLR", f"{PAPER} section 5.3: linear warm-up, then step^-0.5"),
         "warmup_steps": (4000, f"{PAPER} section 5.3: warmup_steps = 4000"),
         "train_steps": (steps, f"{row}: train steps"),
         "tokens_per_step_per_side": (25000, f"{PAPER} section 5.1: ~25000 source and ~25000 target tokens"),
@@ -127,7 +127,7 @@ def test_recipe_states_the_reference_value(size, fact):
 def test_recipe_learning_rate_follows_the_papers_formula(size):
     """lrate(step) = d_model^-0.5 * min(step^-0.5, step * 4000^-1.5) (section 5.3), within 1 % from step 100
     on (before that the recipe's warm-up starts at fairseq's 1e-7 instead of 0)."""
-    from tasks.optim import InverseSqrtLR
+    from tasks.engine.optim import InverseSqrtLR
 
     config = resolve("translate", RECIPES[size])
     d_model, lr = value(config, "model.dim"), value(config, "model.optimizer.lr")

@@ -91,7 +91,7 @@ def test_each_task_cli_applies_the_plan_to_its_loaders_and_says_so(task, tmp_pat
     plan's workers and torch runs the plan's threads; an explicit --data.num_workers wins."""
     import importlib
 
-    from tasks import cli as cli_module
+    from tasks.engine import cli as cli_module
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(machine, "_applied", None)
@@ -115,8 +115,8 @@ def test_each_task_cli_applies_the_plan_to_its_loaders_and_says_so(task, tmp_pat
 
 def main_without_running(main, args, monkeypatch):
     """The SuiteCLI that a task's ``main(args)`` builds, instantiated but not run."""
-    from tasks import cli as cli_module
-    from tasks.recipes import recipe_path
+    from tasks.engine import cli as cli_module
+    from tasks.engine.recipes import recipe_path
 
     built = []
 
@@ -164,7 +164,7 @@ def test_other_load_counts_another_process_and_not_this_one():
 
 
 def test_threads_follow_load_only_where_it_may(monkeypatch):
-    from tasks.runtime import ThreadsFollowLoad
+    from tasks.engine.runtime import ThreadsFollowLoad
 
     def started(chosen, deterministic=False):
         monkeypatch.setattr(machine, "_applied", chosen)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tasks.optim import InverseSqrtLR, WarmupCosineLR, param_groups
+from tasks.engine.optim import InverseSqrtLR, WarmupCosineLR, param_groups
 
 
 def lrs(scheduler, optimizer, steps):

@@ -18,12 +18,12 @@ from lightning.pytorch import LightningDataModule, Trainer
 from torch.utils.data import TensorDataset
 
 from datamodules.loaders import make_loader
-from tasks.base import TaskModule
-from tasks.checkpoint_io import AtomicCheckpointIO
-from tasks.checkpoints import LatestCheckpoint
-from tasks.optim import WarmupCosineLR
-from tasks.preemption import Preempted, Preemption, resume_command
-from tasks.resume import ResumeGuard, RunInUse, RunLock
+from tasks.engine.base import TaskModule
+from tasks.engine.checkpoint_io import AtomicCheckpointIO
+from tasks.engine.checkpoints import LatestCheckpoint
+from tasks.engine.optim import WarmupCosineLR
+from tasks.engine.preemption import Preempted, Preemption, resume_command
+from tasks.engine.resume import ResumeGuard, RunInUse, RunLock
 from tests.callbacks import SignalAtStep
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.recipes import recipe_path, with_default_config
+from tasks.engine.recipes import recipe_path, with_default_config
 from tests.conftest import REPO
 
 

@@ -1,4 +1,4 @@
-"""``python -m tasks.report``: runs laid out as the suite writes them (the resolved demo config,
+"""``python -m tasks.tools.report``: runs laid out as the suite writes them (the resolved demo config,
 ``suite_config.yaml`` in wandb run folders or in the run root, ``predictions/metrics.json``),
 grouped by the config values that differ, mean and sample std checked against numpy."""
 import copy
@@ -14,7 +14,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from tasks.report import build_report, main, read_run
+from tasks.tools.report import build_report, main, read_run
 from tests.conftest import run_task
 
 

@@ -16,7 +16,7 @@ from PIL import Image
 import datamodules.voc_detection as voc
 from datamodules.voc_detection import (VOC_DETECTION_CLASSES, VocDetection, VocDetectionDataModule,
                                        write_voc_detection_layout)
-from tasks.voc_map import VocMeanAveragePrecision
+from tasks.metrics.voc_map import VocMeanAveragePrecision
 
 MEAN, STD = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "detect"

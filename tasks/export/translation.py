@@ -15,7 +15,7 @@ hypotheses. In Python::
 
 From the shell (one sentence per line; translations on standard output)::
 
-    python -m tasks.onnx_translation runs/translate/checkpoints/last.encoder.onnx < source.en > out.de
+    python -m tasks.export.translation runs/translate/checkpoints/last.encoder.onnx < source.en > out.de
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from heads.decoding import Hypotheses, beam_search, greedy_search, max_output_lengths
 from heads.seq2seq import padding_bias
 from layers.attention import KVCache
-from tasks.onnx_export import ATOL, Check, ExportReport, ExportRequest, export_graph, io_note, ort_session, read_metadata
+from tasks.export.onnx import ATOL, Check, ExportReport, ExportRequest, export_graph, io_note, ort_session, read_metadata
 
 #: the command's own flags, with their help
 FLAGS: dict[str, str] = {}
@@ -150,7 +150,7 @@ def export(request: ExportRequest) -> ExportReport:
     report = ExportReport(list(files.values()), [
         "batch, source length and decoded length dynamic",
         f"encoder: {io_note(translator.encoder)}", f"decoder step: {io_note(translator.decoder_step)}",
-        f"translate with: python -m tasks.onnx_translation {files['encoder']} < source.txt"])
+        f"translate with: python -m tasks.export.translation {files['encoder']} < source.txt"])
     encoded = translator.encoder.run(None, {"src": src.numpy()})
     report.checks.append(Check("max |cross_kv| difference, 4 random sources",
                                float(np.abs(encoded[0] - cross_kv.numpy()).max()), ATOL))
@@ -297,7 +297,7 @@ class OnnxTranslator:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tasks.onnx_translation", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tasks.export.translation", description=__doc__.split("\n\n")[0])
     parser.add_argument("encoder", help="the <stem>.encoder.onnx written by `python -m tasks.translate export`")
     parser.add_argument("--beam_size", type=int, default=None, help="1 = greedy (default: the checkpoint's)")
     parser.add_argument("--input", default="-", help="source lines (default: standard input)")

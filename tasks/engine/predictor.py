@@ -39,7 +39,7 @@ from datamodules.input_spec import InputSpec, input_spec_of
 def load(path: str | Path, map_location: Any = "cpu"):
     """The model of a checkpoint written by this suite, as the task class it names (``suite_task``),
     in evaluation mode."""
-    from tasks.checkpoints import read_checkpoint
+    from tasks.engine.checkpoints import read_checkpoint
 
     name = read_checkpoint(path).get("suite_task")
     if not name:
@@ -85,7 +85,7 @@ def read_image(item: Any) -> tuple[torch.Tensor, str]:
 
 
 class Predictor:
-    """What a task adds to :class:`tasks.base.TaskModule` for ``model.predict(inputs)`` (put it first among
+    """What a task adds to :class:`tasks.engine.base.TaskModule` for ``model.predict(inputs)`` (put it first among
     the bases: ``class DetectionTask(Predictor, TaskModule)``).
 
     The input specification: on ``fit`` (and on any run of a model that has none yet) it is the
@@ -145,7 +145,7 @@ class Predictor:
         raise NotImplementedError
 
     def predict(self, inputs: Any, batch_size: int | None = None, **options) -> Any:
-        """Results for one input, or a list of results for a list of inputs (see :mod:`tasks.api`), ``batch_size``
+        """Results for one input, or a list of results for a list of inputs (see :mod:`tasks.engine.predictor`), ``batch_size``
         (default :attr:`predict_batch_size`) at a time. ``options`` are the task's own (``top_k``,
         ``score_threshold``, ``beam_size``)."""
         batch_size = batch_size or self.predict_batch_size

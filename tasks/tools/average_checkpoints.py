@@ -1,8 +1,8 @@
 """Average the weights of several checkpoints of one training run into one checkpoint, as the
 Transformer paper and fairseq's WMT recipes do before scoring (the last 5 or 20 checkpoints):
 
-    python -m tasks.average_checkpoints runs/translate/checkpoints --last 5 --output runs/translate/averaged.ckpt
-    python -m tasks.average_checkpoints a.ckpt b.ckpt c.ckpt --output averaged.ckpt
+    python -m tasks.tools.average_checkpoints runs/translate/checkpoints --last 5 --output runs/translate/averaged.ckpt
+    python -m tasks.tools.average_checkpoints a.ckpt b.ckpt c.ckpt --output averaged.ckpt
     python -m tasks.translate test --ckpt_path runs/translate/averaged.ckpt
 
 ``--last N`` picks the N checkpoints of a folder with the highest training step, read from each
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from tasks.checkpoint_io import save_atomically
-from tasks.checkpoints import read_checkpoint
+from tasks.engine.checkpoint_io import save_atomically
+from tasks.engine.checkpoints import read_checkpoint
 
 #: top-level checkpoint entries that only resuming `fit` reads; an averaged checkpoint has none
 TRAINING_STATE = ("optimizer_states", "lr_schedulers", "loops", "callbacks", "rng_states",
@@ -39,7 +39,7 @@ TRAINING_STATE = ("optimizer_states", "lr_schedulers", "loops", "callbacks", "rn
                   "current_model_state", "averaging_state",
                   # the mixed-precision plugin's gradient scaler
                   "MixedPrecision",
-                  # the settings a resume is checked against (tasks.resume)
+                  # the settings a resume is checked against (tasks.engine.resume)
                   "suite_resume")
 
 
@@ -158,14 +158,14 @@ def last_checkpoints(folder: str | Path, count: int) -> list[Path]:
 
 
 def save_checkpoint(checkpoint: dict, path: str | Path) -> Path:
-    """Write atomically (a partial file never carries the final name; see :mod:`tasks.checkpoint_io`)."""
+    """Write atomically (a partial file never carries the final name; see :mod:`tasks.engine.checkpoint_io`)."""
     save_atomically(checkpoint, path)
     return Path(path)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m tasks.average_checkpoints",
+        prog="python -m tasks.tools.average_checkpoints",
         description="Average the weights of checkpoints of one training run into one checkpoint "
                     "(the Transformer paper's and fairseq's last-N checkpoint averaging).")
     parser.add_argument("inputs", nargs="+", help="checkpoint files, or one folder of checkpoints with --last N")

@@ -29,7 +29,7 @@ class is refused even so: its saved state belongs to the old one.
 exit, and one left by a dead process on the same host (or by an earlier incarnation of the same
 SLURM job, requeued onto another node) is taken over. A run root holds one run after the other too:
 a later ``fit`` there without ``--ckpt_path`` is refused before it trains, as it would overwrite the
-earlier run's ``last.ckpt`` (:class:`tasks.checkpoints.LatestCheckpoint`); ``--ckpt_path last`` (the
+earlier run's ``last.ckpt`` (:class:`tasks.engine.checkpoints.LatestCheckpoint`); ``--ckpt_path last`` (the
 pre-emption message's command, the requeue script's) continues that run. :func:`make_run_root`
 creates the folder, naming a file that stands in its way.
 """

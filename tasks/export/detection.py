@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchvision.ops import batched_nms
 
-from tasks.onnx_export import (ATOL, BOX_ATOL, Check, ExportReport, ExportRequest, export_graph, image_metadata,
+from tasks.export.onnx import (ATOL, BOX_ATOL, Check, ExportReport, ExportRequest, export_graph, image_metadata,
                                io_note, ort_session, run_torch, seeded_images, size_note)
 
 #: the command's own flags, with their help

@@ -7,21 +7,21 @@ Defaults shared by all tasks (each overridable from YAML or the command line):
   wandb group (carried by the checkpoint) with the subcommand as job type; the resolved config
   goes into the run as ``suite_config.yaml``;
 - checkpoints (``--checkpoint.*``, ModelCheckpoint's arguments): a plain ModelCheckpoint keeps the
-  best on the task's main metric, and :class:`tasks.checkpoints.LatestCheckpoint` writes
+  best on the task's main metric, and :class:`tasks.engine.checkpoints.LatestCheckpoint` writes
   ``last.ckpt`` on its own schedule (every ``every_n_train_steps`` and every epoch end) whether or
   not the metric exists yet; ``--checkpoint.save_last false`` leaves it out;
 - a per-step learning-rate monitor; a Rich progress bar on a terminal, plain progress lines
-  (:class:`tasks.progress.LineProgress`) when the output goes to a file;
+  (:class:`tasks.engine.progress.LineProgress`) when the output goes to a file;
 - a fixed seed;
-- freed CPU memory kept for reuse instead of unmapped (:mod:`tasks.runtime`);
+- freed CPU memory kept for reuse instead of unmapped (:mod:`tasks.engine.runtime`);
 - torch threads and loader workers (``num_workers: auto``) from the cores each rank may use, stated at
   start-up (:mod:`layers.machine`);
-- checkpoints written atomically beside their destination (:mod:`tasks.checkpoint_io`);
+- checkpoints written atomically beside their destination (:mod:`tasks.engine.checkpoint_io`);
 - on ``fit``: SIGTERM / SIGUSR1 stop every rank at a step boundary with ``last.ckpt`` written and
-  exit code ``128 + signal`` (:mod:`tasks.preemption`; ``--preemption.signals`` names others);
+  exit code ``128 + signal`` (:mod:`tasks.engine.preemption`; ``--preemption.signals`` names others);
   a resume whose data order, global batch, optimizer or schedule differ from the checkpoint's
   is refused unless ``--allow_changed`` names the differences, and a second ``fit`` in a run
-  root in use is refused (:mod:`tasks.resume`);
+  root in use is refused (:mod:`tasks.engine.resume`);
 - a flag placed before a ``--config`` that sets the same key is refused (the recipe would win).
 
 With ``--ckpt_path`` on ``validate``/``test``/``predict`` the checkpoint supplies the model:
@@ -31,11 +31,11 @@ rebuild it, and only ``--model.*`` arguments given on the command line override 
 A backbone with an ``img_size`` argument (ViT) takes ``--data.image_size``; an explicit
 ``--model.backbone.img_size`` that differs is refused.
 
-Recipe stacking (``base:``) is :mod:`tasks.recipes`; reading checkpoint files and ``last.ckpt`` are
-:mod:`tasks.checkpoints`. Only public LightningCLI hooks are overridden (``parse_arguments``,
+Recipe stacking (``base:``) is :mod:`tasks.engine.recipes`; reading checkpoint files and ``last.ckpt`` are
+:mod:`tasks.engine.checkpoints`. Only public LightningCLI hooks are overridden (``parse_arguments``,
 ``add_arguments_to_parser``, ``before_instantiate_classes``, ``instantiate_trainer``, ...).
 
-``export --ckpt_path X`` writes the checkpoint's model as ONNX (see :mod:`tasks.export`); it
+``export --ckpt_path X`` writes the checkpoint's model as ONNX (see :mod:`tasks.export.command`); it
 needs no Trainer, so it is answered before LightningCLI parses anything.
 """
 from __future__ import annotations
@@ -57,14 +57,14 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
 from layers.machine import AUTO, apply_cpu_plan, machine_cores, plan_cpu
-from tasks.checkpoint_io import AtomicCheckpointIO
-from tasks.checkpoints import LAST_NAME, LatestCheckpoint, check_checkpoint_file, read_checkpoint
-from tasks.determinism import check_deterministic
-from tasks.preemption import Preemption, resume_command
-from tasks.progress import LineProgress, stdout_is_terminal
-from tasks.recipes import SUBCOMMANDS, given_keys, recipe_path, with_default_config
-from tasks.resume import ResumeGuard, RunLock, make_run_root, parse_allowed, resume_settings
-from tasks.runtime import ThreadsFollowLoad, reuse_freed_memory
+from tasks.engine.checkpoint_io import AtomicCheckpointIO
+from tasks.engine.checkpoints import LAST_NAME, LatestCheckpoint, check_checkpoint_file, read_checkpoint
+from tasks.engine.determinism import check_deterministic
+from tasks.engine.preemption import Preemption, resume_command
+from tasks.engine.progress import LineProgress, stdout_is_terminal
+from tasks.engine.recipes import SUBCOMMANDS, given_keys, recipe_path, with_default_config
+from tasks.engine.resume import ResumeGuard, RunLock, make_run_root, parse_allowed, resume_settings
+from tasks.engine.runtime import ThreadsFollowLoad, reuse_freed_memory
 
 EXPORT = "export"
 EVALUATION = ("validate", "test", "predict")
@@ -114,7 +114,7 @@ class SuiteCLI(LightningCLI):
         self.monitor = monitor
         self.mode = mode
         if argv and argv[0] == EXPORT:
-            from tasks.export import run_export
+            from tasks.export.command import run_export
 
             run_export(argv[1:], model_class, prog=f"python -m tasks.{task} export")
             return
@@ -151,7 +151,7 @@ class SuiteCLI(LightningCLI):
         )
 
     def parse_arguments(self, parser, args) -> None:
-        # `args` is the command line with its recipes expanded (tasks.recipes): the one source of
+        # `args` is the command line with its recipes expanded (tasks.engine.recipes): the one source of
         # arguments, so LightningCLI's warning about sys.argv holding arguments too does not apply.
         # DDP's launcher restarts the script with sys.argv, which expands the same way there.
         self.config = parser.parse_args(args)
@@ -174,10 +174,10 @@ class SuiteCLI(LightningCLI):
         parser.add_argument(
             "--allow_changed", type=Optional[str], default=None,
             help="fit --ckpt_path: comma-separated settings (e.g. data.batch_size,model.optimizer) that may differ "
-                 "from the checkpoint's; without it such a resume is refused (see tasks/resume.py)")
+                 "from the checkpoint's; without it such a resume is refused (see tasks/engine/resume.py)")
         parser.add_lightning_class_args(Preemption, "preemption")
         # ModelCheckpoint's arguments: the best checkpoints on the task's metric, and with save_last
-        # (on by default) last.ckpt on its own schedule (tasks.checkpoints.LatestCheckpoint); both
+        # (on by default) last.ckpt on its own schedule (tasks.engine.checkpoints.LatestCheckpoint); both
         # are built in instantiate_trainer
         parser.add_class_arguments(ModelCheckpoint, "checkpoint", instantiate=False, fail_untyped=False)
         parser.set_defaults({

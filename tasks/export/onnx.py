@@ -1,9 +1,9 @@
 """What every task's ONNX export shares: writing a graph with its metadata, running it with ONNX
 Runtime, the parity checks and the report ``export`` prints.
 
-Each task's graph and its parity checks live beside the task (:mod:`tasks.onnx_classification`,
-:mod:`tasks.onnx_detection`, :mod:`tasks.onnx_segmentation`, :mod:`tasks.onnx_translation`); the task class
-names its exporter (``TaskModule.onnx_exporter``) and :mod:`tasks.export` runs the command.
+Each task's graph and its parity checks live beside the task (:mod:`tasks.export.classification`,
+:mod:`tasks.export.detection`, :mod:`tasks.export.segmentation`, :mod:`tasks.export.translation`); the task class
+names its exporter (``TaskModule.onnx_exporter``) and :mod:`tasks.export.command` runs the command.
 
 Images enter a graph as the model was trained: float32 RGB, ``(pixel / 255 - mean) / std``; every file
 carries what a deployer needs in its metadata (``suite.*`` keys). Which image sizes one graph takes is
@@ -143,7 +143,7 @@ class ExportReport:
 @dataclass
 class ExportRequest:
     """What an exporter gets: the model, the input specification to export at (the checkpoint's,
-    :attr:`tasks.api.Predictor.input_spec`, with the command line's ``--data.*`` size / mean / std) and the one it
+    :attr:`tasks.engine.predictor.Predictor.input_spec`, with the command line's ``--data.*`` size / mean / std) and the one it
     was ``trained`` with, where to write, the opset and the task's own flags."""
 
     model: nn.Module

@@ -7,8 +7,8 @@ the checkpoint (``<ckpt stem>.onnx``) unless ``--output`` says otherwise, runs i
 Runtime against the PyTorch model on seeded random inputs, and prints where it wrote and the
 difference it measured. Every input and output is named and the batch size is dynamic. What
 each task's graph computes is in its module, named by the task class (``onnx_exporter``):
-:mod:`tasks.onnx_classification`, :mod:`tasks.onnx_detection`, :mod:`tasks.onnx_segmentation`,
-:mod:`tasks.onnx_translation`; what they share is :mod:`tasks.onnx_export`.
+:mod:`tasks.export.classification`, :mod:`tasks.export.detection`, :mod:`tasks.export.segmentation`,
+:mod:`tasks.export.translation`; what they share is :mod:`tasks.export.onnx`.
 
 Image size. MobileViT and MobileViTv2 graphs take any height and width that are multiples of
 the backbone's ``size_multiple`` (64 at output stride 32, 32 at 16, 16 at 8): there no block
@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import yaml
 
 from datamodules.input_spec import InputSpec
-from tasks.onnx_export import (DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, ExportReport, ExportRequest, check_opset,
+from tasks.export.onnx import (DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, ExportReport, ExportRequest, check_opset,
                                require_export_extra)
 
 
@@ -104,8 +104,8 @@ def export_spec(model, overrides: dict[str, Any]) -> InputSpec | None:
 
 def run_export(argv: Sequence[str], model_class: type, prog: str = "export") -> ExportReport:
     """``export`` for ``model_class``'s task: parse ``argv`` (the arguments after ``export``), export, check, print."""
-    from tasks.base import qualified_name
-    from tasks.checkpoints import check_checkpoint_file
+    from tasks.engine.base import qualified_name
+    from tasks.engine.checkpoints import check_checkpoint_file
 
     exporter = exporter_of(model_class)
     rest, overrides = split_data_overrides(argv)

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from tasks.onnx_export import ATOL, Check, ExportReport, ExportRequest, export_image_graph, parity_images
+from tasks.export.onnx import ATOL, Check, ExportReport, ExportRequest, export_image_graph, parity_images
 
 #: the command's own flags, with their help
 FLAGS = {"logits": "also output the upsampled logits (B, K, H, W)"}

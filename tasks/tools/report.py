@@ -1,4 +1,4 @@
-"""Compare runs: ``python -m tasks.report RUN_DIR... [--output DIR] [--x gflops|params|latency_ms]``.
+"""Compare runs: ``python -m tasks.tools.report RUN_DIR... [--output DIR] [--x gflops|params|latency_ms]``.
 
 A run is a ``trainer.default_root_dir`` (``runs/<task>`` by default) on which ``test`` has
 written ``predictions/metrics.json``; a folder holding runs anywhere below it works too. The
@@ -37,7 +37,7 @@ from typing import Any, Iterable
 import numpy as np
 import yaml
 
-CONFIG_FILE_NAME = "suite_config.yaml"  # tasks.cli.CONFIG_FILE_NAME, without importing Lightning
+CONFIG_FILE_NAME = "suite_config.yaml"  # tasks.engine.cli.CONFIG_FILE_NAME, without importing Lightning
 
 #: task -> the metrics the table shows (metrics.json key, heading, scale); the first is the main one
 TASK_METRICS = {
@@ -431,7 +431,7 @@ def write_report(rows: list[Row], output: str | Path, x: str | None = None) -> d
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m tasks.report",
+        prog="python -m tasks.tools.report",
         description="Compare runs: group runs that differ only by seed (mean ± std) and write report.csv, "
                     "report.md and report.png.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",

@@ -23,9 +23,9 @@ from torchmetrics import MeanMetric
 
 from layers.compat import skip_update_on_device, supports_device_skip
 from layers.compile import compile_mode, compile_networks, cpu_compile_notice
-from tasks.compile_report import CompileReport
-from tasks.analysis import WorstExamples, lowest, model_cost, move_to, read_table
-from tasks.optim import param_groups
+from tasks.engine.compile_report import CompileReport
+from tasks.engine.analysis import WorstExamples, lowest, model_cost, move_to, read_table
+from tasks.engine.optim import param_groups
 
 
 def rng_states() -> dict[str, Any]:
@@ -195,7 +195,7 @@ class TaskModule(LightningModule):
             self.example_input_array = self.example_input(datamodule)
 
     def model_cost(self) -> dict[str, float]:
-        """``params`` and, at the example input's size, ``gflops`` and ``gmacs`` (see :mod:`tasks.analysis`)."""
+        """``params`` and, at the example input's size, ``gflops`` and ``gmacs`` (see :mod:`tasks.engine.analysis`)."""
         example = self.example_input_array
         return model_cost(self, move_to(example, self.device) if example is not None else None)
 

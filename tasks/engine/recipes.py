@@ -3,7 +3,7 @@
 A recipe may name the recipe it overrides with a top-level ``base:`` (a path relative to itself);
 ``base: null`` marks a complete recipe. :func:`with_default_config` expands an argument list
 into the layers LightningCLI reads, in order; it reads YAML files and nothing else, so
-:mod:`tasks.cli` and any tool can use it without building a parser.
+:mod:`tasks.engine.cli` and any tool can use it without building a parser.
 """
 from __future__ import annotations
 

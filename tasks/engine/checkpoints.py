@@ -4,7 +4,7 @@
   a missing, truncated, foreign or other task's file naming it, before Lightning fails without
   the path.
 - :class:`LatestCheckpoint` writes ``last.ckpt`` on its own schedule, beside the ModelCheckpoint
-  that keeps the best checkpoints on the task's metric (see :mod:`tasks.cli`), and refuses a fit
+  that keeps the best checkpoints on the task's metric (see :mod:`tasks.engine.cli`), and refuses a fit
   that would overwrite the ``last.ckpt`` of an earlier fit in its run root without resuming it.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
 
-from tasks.base import qualified_name
+from tasks.engine.base import qualified_name
 
 #: the latest state of a fit, in the run root's checkpoint directory (``--ckpt_path last``)
 LAST_NAME = "last.ckpt"
@@ -62,7 +62,7 @@ class LatestCheckpoint(Checkpoint):
     validation end and at every training epoch end, whether or not validation ran: a run killed
     before its first validation (a whole epoch, or three in a recipe validating every third)
     can still be resumed exactly. A step is written once. The best checkpoints are a plain
-    ``ModelCheckpoint``'s (:mod:`tasks.cli`); Lightning runs checkpoint callbacks after all
+    ``ModelCheckpoint``'s (:mod:`tasks.engine.cli`); Lightning runs checkpoint callbacks after all
     others, so the file holds every callback's state of the step.
 
     Args:

@@ -7,7 +7,7 @@ Recipes inject the optimizer and scheduler from YAML as LightningCLI callables::
         class_path: torch.optim.AdamW
         init_args: {lr: 0.002, weight_decay: 0.05}
       scheduler:
-        class_path: tasks.optim.WarmupCosineLR
+        class_path: tasks.engine.optim.WarmupCosineLR
         init_args: {warmup_steps: 20000, warmup_init_lr: 1.0e-6, min_lr: 2.0e-4}
 
 Schedules are stepped every optimizer step (not every epoch), as the paper recipes

@@ -1,0 +1,46 @@
+"""The `tasks/` layout keeps what was saved under the old one working: a checkpoint written before the
+engine, metrics, export and tools moved into their folders (commit 87d5a03) names its scheduler by the
+old module path (``tasks.optim.WarmupCosineLR``); it loads in Python and is scored by the CLI."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+import tasks
+
+OLD_CHECKPOINT = Path(__file__).parent / "data" / "classify_convmixer_87d5a03.ckpt"
+
+
+def test_old_checkpoint_names_the_old_module_path():
+    saved = torch.load(OLD_CHECKPOINT, map_location="cpu", weights_only=True)
+    assert saved["hyper_parameters"]["scheduler"]["class_path"] == "tasks.optim.WarmupCosineLR"
+
+
+def test_old_module_path_imports_the_moved_module():
+    import tasks.engine.optim
+    import tasks.optim
+
+    assert tasks.optim is tasks.engine.optim
+    assert tasks.optim.WarmupCosineLR.__module__ == "tasks.engine.optim"
+
+
+def test_old_checkpoint_loads_and_predicts_in_python():
+    from tasks.classify import ClassificationTask
+
+    model = tasks.load(OLD_CHECKPOINT)
+    assert isinstance(model, ClassificationTask) and model.class_names[0] == "0_zero"
+    image = torch.zeros(3, 32, 32, dtype=torch.uint8)
+    result = model.predict(image, top_k=3)
+    assert len(result) == 3 and {name for name, _ in result} <= set(model.class_names)
+
+
+def test_old_checkpoint_is_scored_by_the_cli(run_cli, tmp_path):
+    checkpoint = tmp_path / "old.ckpt"
+    shutil.copy(OLD_CHECKPOINT, checkpoint)
+    run_cli("classify", "test", "--ckpt_path", str(checkpoint), "--trainer.limit_test_batches", "1",
+            "--trainer.logger", "false", "--data.batch_size", "8")
+    metrics = json.loads((tmp_path / "runs" / "classify" / "predictions" / "metrics.json").read_text())
+    assert 0.0 <= metrics["test/top1"] <= metrics["test/top5"] <= 1.0
