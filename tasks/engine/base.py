@@ -4,13 +4,11 @@ data-identity checks, RNG states for exact resume, and where `test`/`predict` wr
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import random
 import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -18,13 +16,13 @@ import torch
 import torch.nn as nn
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 
 from layers.compat import skip_update_on_device, supports_device_skip
 from layers.compile import compile_mode, compile_networks, cpu_compile_notice
 from tasks.engine.compile_report import CompileReport
-from tasks.engine.analysis import WorstExamples, lowest, model_cost, move_to, read_table
+from tasks.engine.analysis import model_cost, move_to
 from tasks.engine.optim import param_groups
 
 
@@ -163,7 +161,9 @@ class TaskModule(LightningModule):
         self._step_usable: torch.Tensor | None = None  # device verdict of this optimizer step's batches
         # sample-weighted means of the evaluation loss, synced exactly over ranks by torchmetrics
         self.eval_losses = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
-        self.worst_examples = WorstExamples(num_worst_examples)
+        self.num_worst_examples = num_worst_examples
+        #: the numbers `test` computed, set by the task at the end of its test epoch (``metrics.json``)
+        self.test_metrics: dict[str, float] | None = None
 
     def _save_constructor_arguments(self) -> None:
         # Under LightningCLI the saved values are the resolved config (class paths and arguments),
@@ -217,7 +217,12 @@ class TaskModule(LightningModule):
             return self.device
 
     def configure_callbacks(self) -> list:
-        return [CompileReport()] if self.compile_mode else []
+        """The compile report (when compiling) and the files `test` and `predict` write: ``metrics.json``,
+        the task's :meth:`output_callbacks`, then the wandb tables that read them."""
+        from tasks.outputs.common import MetricsJson, WandbTestTables
+
+        compiling = [CompileReport()] if self.compile_mode else []
+        return [*compiling, MetricsJson(), *self.output_callbacks(), WandbTestTables()]
 
     def to_memory_format(self, images: torch.Tensor) -> torch.Tensor:
         return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
@@ -477,31 +482,19 @@ class TaskModule(LightningModule):
             raise ValueError("the checkpoint was trained on other data than this run's: " + "; ".join(differing))
         self.skipped_nonfinite_steps = self._logged_nonfinite_steps = 0
 
-    # -- outputs of `test` and `predict` -----------------------------------------------------------
-    @property
-    def predictions_dir(self) -> Path:
-        """``<trainer.default_root_dir>/predictions``, where `test` writes what it scored."""
-        return Path(self.trainer.default_root_dir) / "predictions"
-
-    @property
-    def predict_dir(self) -> Path:
-        """``<trainer.default_root_dir>/predictions/predict``, where `predict` writes."""
-        return self.predictions_dir / "predict"
+    # -- what `test` and `predict` leave for their output callbacks (tasks/outputs/) -----------------------
+    def output_callbacks(self) -> list:
+        """The task's own output callbacks (:mod:`tasks.outputs`), numbers before pictures; the suite adds
+        ``metrics.json`` before them and the wandb tables after them (:meth:`configure_callbacks`)."""
+        return []
 
     @property
     def predict_destination(self) -> str:
-        """Where `predict` wrote, as the CLI prints it."""
-        return str(self.predict_dir.resolve())
+        """Where `predict` wrote, as the CLI prints it: its writer's destination."""
+        from tasks.outputs.common import PredictWriter, predict_dir
 
-    @rank_zero_only
-    def write_metrics_json(self, metrics: dict[str, float]) -> Path:
-        """Write ``metrics.json``: metric name -> value (the numbers that were logged), plus the
-        model's ``params``, ``gflops`` and ``gmacs`` at the evaluation size (:meth:`model_cost`)."""
-        self.predictions_dir.mkdir(parents=True, exist_ok=True)
-        path = self.predictions_dir / "metrics.json"
-        clean = {k: float(v) for k, v in metrics.items()} | self.model_cost()
-        path.write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
-        return path
+        writer = next((cb for cb in self.trainer.callbacks if isinstance(cb, PredictWriter)), None)
+        return writer.destination(self.trainer) if writer is not None else str(predict_dir(self.trainer).resolve())
 
     def eval_loss_value(self, stage: str) -> dict[str, float]:
         """``{"<stage>/loss": value}``, the sample-weighted mean over every rank's batches (empty when
@@ -512,75 +505,11 @@ class TaskModule(LightningModule):
         return {f"{stage}/loss": value} if math.isfinite(value) else {}
 
     def all_gather_objects(self, items: list) -> list:
-        """Concatenate a per-rank Python list over all ranks (uneven lengths are fine).
-        For what `test` writes: detections, file names, hypotheses."""
-        if self.trainer.world_size == 1 or not torch.distributed.is_initialized():
-            return list(items)
-        gathered: list[list] = [None] * self.trainer.world_size  # type: ignore[list-item]
-        torch.distributed.all_gather_object(gathered, items)
-        return [item for rank_items in gathered for item in rank_items]
+        """Concatenate a per-rank Python list over all ranks (uneven lengths are fine), e.g. the
+        hypotheses a corpus metric scores."""
+        from tasks.outputs.common import gather
 
-    # -- the k worst samples of `test` ---------------------------------------------------------------
-    @property
-    def worst_dir(self) -> Path:
-        """``<trainer.default_root_dir>/predictions/worst``."""
-        return self.predictions_dir / "worst"
-
-    def on_test_epoch_start(self) -> None:
-        self.worst_examples.clear()
-
-    def gather_worst(self) -> list[tuple[float, Any, Any]]:
-        """The ``num_worst_examples`` lowest-scored ``(score, key, payload)`` of the whole split,
-        lowest first (every rank calls it; each rank gets the same list)."""
-        entries = self.all_gather_objects(self.worst_examples.entries())
-        self.worst_examples.clear()
-        return lowest(entries, self.worst_examples.k)
-
-    def on_test_end(self) -> None:
-        """Send what `test` wrote to wandb as tables and images: ``test/per_class`` (per_class.csv),
-        ``test/confusion_matrix`` (the PNG, when the task draws one), ``test/worst`` (worst.csv or
-        worst.tsv) and ``test/worst_images`` (the overlays)."""
-        logger = self.wandb_logger
-        if logger is None:
-            return
-        import wandb
-
-        per_class = self.predictions_dir / "per_class.csv"
-        if per_class.is_file():
-            columns, rows = read_table(per_class)
-            logger.log_table(key="test/per_class", columns=columns, data=rows)
-        picture = self.predictions_dir / "confusion_matrix.png"
-        if picture.is_file():
-            logger.experiment.log({"test/confusion_matrix": wandb.Image(str(picture))})
-        for name, delimiter in (("worst.csv", ","), ("worst.tsv", "\t")):
-            worst = self.worst_dir / name
-            if worst.is_file():
-                columns, rows = read_table(worst, delimiter)
-                logger.log_table(key="test/worst", columns=columns, data=rows)
-                if "file" in columns:  # the overlays, captioned with their rank
-                    at = columns.index("file")
-                    logger.log_image("test/worst_images", [str(self.worst_dir / row[at]) for row in rows],
-                                     caption=[f"{row[0]}: {row[1]}" for row in rows])
-
-    # -- logging helpers --------------------------------------------------------------------------
-    @property
-    def wandb_logger(self):
-        """The WandbLogger on rank 0, else ``None`` (tasks log media only when it exists)."""
-        from lightning.pytorch.loggers import WandbLogger
-
-        if self.global_rank != 0:
-            return None
-        return next((lg for lg in self.loggers if isinstance(lg, WandbLogger)), None)
-
-    def sample_batch_indices(self, count: int) -> set[int]:
-        """Indices of ``count`` validation batches spread evenly over the split, so logged samples
-        show many classes (evaluation order is sorted, often by class)."""
-        total = self.trainer.num_val_batches[0] if self.trainer.num_val_batches else 0
-        total = int(total) if math.isfinite(total) else count
-        if total <= 0 or count <= 0:
-            return set()
-        return {int(i * total / count) for i in range(min(count, total))}
-
+        return gather(self.trainer, items)
 
 def qualified_name(cls: type) -> str:
     """``tasks.detect.DetectionTask``, also when the module runs as ``python -m tasks.detect``."""
