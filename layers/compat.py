@@ -10,8 +10,6 @@ from __future__ import annotations
 
 #: (module, private name, what the suite uses it for): checked by tests/test_compat.py
 PRIVATE_NAMES = [
-    ("lightning.pytorch.core.mixins.hparams_mixin", "_given_hyperparameters",
-     "tasks.engine.base: is LightningCLI building this model (save its resolved config) or plain Python"),
     ("torch.utils._python_dispatch", "is_in_torch_dispatch_mode",
      "layers.cpu_speedups: the CPU speed paths step aside for the FLOP counter and other dispatch modes"),
     ("torch.utils._python_dispatch", "TorchDispatchMode",
@@ -39,19 +37,6 @@ PRIVATE_NAMES = [
     ("litdata", "StreamingDataLoader.restore",
      "datamodules.streaming (forget_restored_position): drop a resumed position once its epoch has begun"),
 ]
-
-
-def built_by_lightning_cli() -> bool:
-    """True while LightningCLI instantiates a model with ``load_from_checkpoint`` support.
-
-    Then ``save_hyperparameters`` stores LightningCLI's resolved config (class paths and their
-    arguments), which a weights-only checkpoint can hold and ``load_from_checkpoint`` rebuilds;
-    built in plain Python, the model must leave out the modules and callables it was given.
-    Lightning tells the two apart only through this context variable, which
-    ``save_hyperparameters`` reads itself; no public API exposes it (Lightning 2.6)."""
-    from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
-
-    return _given_hyperparameters.get() is not None
 
 
 def in_dispatch_mode() -> bool:

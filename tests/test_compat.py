@@ -4,7 +4,6 @@ the installed version, instead of silently (an override nobody calls any more ch
 from __future__ import annotations
 
 import importlib
-from contextvars import ContextVar
 from importlib.metadata import version
 
 import pytest
@@ -28,16 +27,6 @@ def test_private_name_kept_in_compat_still_exists(module, name, use):
         found = getattr(found, last, None)
     assert found is not None, (f"{library} {version(library)}: {module}.{name} is gone; layers/compat.py uses it "
                                f"for {use}. Find its replacement and update layers/compat.py.")
-
-
-def test_lightning_cli_context_is_a_context_variable():
-    from lightning.pytorch.core.mixins import hparams_mixin
-
-    from layers.compat import built_by_lightning_cli
-
-    assert isinstance(hparams_mixin._given_hyperparameters, ContextVar), (
-        f"lightning {version('lightning')}: _given_hyperparameters is no longer a ContextVar (layers/compat.py)")
-    assert built_by_lightning_cli() is False
 
 
 #: public LightningCLI methods tasks/engine/cli.py overrides (before_fit, after_fit, ... are checked below)

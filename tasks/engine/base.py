@@ -3,7 +3,6 @@ task: hyper-parameters in the checkpoint, the non-finite-loss guard, exact evalu
 data-identity checks, RNG states for exact resume, and where `test`/`predict` write."""
 from __future__ import annotations
 
-import inspect
 import math
 import random
 import sys
@@ -24,6 +23,7 @@ from layers.compile import compile_mode, compile_networks, cpu_compile_notice
 from tasks.engine.compile_report import CompileReport
 from tasks.engine.analysis import model_cost, move_to
 from tasks.engine.optim import param_groups
+from tasks.engine.resume import plain
 
 
 def rng_states() -> dict[str, Any]:
@@ -147,7 +147,15 @@ class TaskModule(LightningModule):
                  channels_last: bool = False, compile: bool | Literal["network", "regional"] = False,
                  on_nonfinite_loss: Literal["raise", "skip"] = "raise", num_worst_examples: int = 16):
         super().__init__()
-        self._save_constructor_arguments()
+        # Lightning collects the arguments of the whole constructor chain (under LightningCLI: the resolved
+        # config, class paths and their arguments, which load_from_checkpoint rebuilds). Built in Python,
+        # the modules and callables passed in cannot go into a weights-only checkpoint: saved again without them.
+        with warnings.catch_warnings():  # Lightning's advice to ignore module arguments: done just below
+            warnings.filterwarnings("ignore", message=r"Attribute '\w+' is an instance of `nn.Module`")
+            self.save_hyperparameters()
+        unsaved = [name for name, value in self.hparams.items() if isinstance(value, nn.Module) or callable(value)]
+        if unsaved:
+            self.save_hyperparameters(ignore=unsaved)
         self.optimizer = SharedFactory(optimizer)
         self.scheduler = SharedFactory(scheduler) if scheduler is not None else None
         self.no_weight_decay_on_norm_bias = no_weight_decay_on_norm_bias
@@ -164,23 +172,6 @@ class TaskModule(LightningModule):
         self.num_worst_examples = num_worst_examples
         #: the numbers `test` computed, set by the task at the end of its test epoch (``metrics.json``)
         self.test_metrics: dict[str, float] | None = None
-
-    def _save_constructor_arguments(self) -> None:
-        # Under LightningCLI the saved values are the resolved config (class paths and arguments),
-        # which load_from_checkpoint can rebuild. Built in Python, modules and callables passed in
-        # cannot go into a weights-only checkpoint: those arguments are left out.
-        from layers.compat import built_by_lightning_cli
-
-        frame = inspect.currentframe().f_back
-        if built_by_lightning_cli():
-            self.save_hyperparameters(frame=frame)
-            return
-        arguments = {}
-        while frame is not None and frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is self:
-            arguments.update({k: v for k, v in frame.f_locals.items() if k not in ("self", "__class__")})
-            frame = frame.f_back
-        unsaved = [k for k, v in arguments.items() if isinstance(v, nn.Module) or callable(v)]
-        self.save_hyperparameters(ignore=unsaved, frame=inspect.currentframe().f_back)
 
     # -- model set-up -------------------------------------------------------------------------
     def example_input(self, datamodule) -> Any:
@@ -477,7 +468,7 @@ class TaskModule(LightningModule):
         saved = checkpoint.get("hyper_parameters", {})
         differing = [f"{arg}: checkpoint {_short(saved[arg])} vs now {_short(value)}"
                      for arg, value in self.data_identity().items()
-                     if arg in saved and _plain(saved[arg]) != _plain(value)]
+                     if arg in saved and plain(saved[arg]) != plain(value)]
         if differing:
             raise ValueError("the checkpoint was trained on other data than this run's: " + "; ".join(differing))
         self.skipped_nonfinite_steps = self._logged_nonfinite_steps = 0
@@ -518,10 +509,6 @@ def qualified_name(cls: type) -> str:
         spec = getattr(sys.modules["__main__"], "__spec__", None)
         module = spec.name if spec is not None else module
     return f"{module}.{cls.__qualname__}"
-
-
-def _plain(value):
-    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _short(value, limit: int = 6) -> str:

@@ -338,13 +338,13 @@ def write_csv(rows: list[Row], path: Path) -> Path:
                          "runs"])
         for row in rows:
             config = [format_value(row.keys[c], row.config[c]) if c in row.config else "" for c in columns]
-            values = [_plain(v) for k in metrics for v in (row.mean(k), row.std(k))]
+            values = [_number_cell(v) for k in metrics for v in (row.mean(k), row.std(k))]
             writer.writerow([row.task, *config, row.n, " ".join(map(str, row.seeds)), *values,
                              ";".join(str(p) for p in row.runs)])
     return path
 
 
-def _plain(value: float | None) -> str:
+def _number_cell(value: float | None) -> str:
     return "" if value is None else repr(value)
 
 
