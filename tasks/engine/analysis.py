@@ -8,9 +8,9 @@ a multiply-add as 2 FLOPs; the MobileViT papers' "FLOPs" are multiply-adds, so t
 compare with ``gmacs`` = ``gflops / 2``. Only matrix products and convolutions are counted
 (normalisation, activations and softmax are not), as in the papers' counters.
 
-Pictures come last: each task writes ``metrics.json`` and its tables first, then draws through
-:func:`draw_after_metrics`, so a picture that cannot be drawn is a warning, never a `test` that ends
-without its numbers.
+Pictures come last: the output callbacks (:mod:`tasks.outputs`) write ``metrics.json`` and the tables
+first, then draw through :func:`draw_after_metrics`, so a picture that cannot be drawn is a warning,
+never a `test` that ends without its numbers.
 """
 from __future__ import annotations
 

@@ -91,8 +91,8 @@ class Predictor:
     The input specification: on ``fit`` (and on any run of a model that has none yet) it is the
     datamodule's ``input_spec`` (or, for a datamodule that states none, :attr:`input_spec_rule` applied
     to its arguments); every checkpoint carries it as ``checkpoint["input_spec"]``, and loading one
-    restores it. A checkpoint written before it did gets it from the datamodule arguments Lightning
-    saved beside the model (``datamodule_hyper_parameters``).
+    restores it. A checkpoint without one (a Lightning checkpoint of another origin) gets it from the
+    datamodule arguments Lightning saved beside the model (``datamodule_hyper_parameters``).
 
     A task implements :meth:`predict_inputs`, a list of inputs -> a list of results; :meth:`predict`
     batches, switches to evaluation mode and unwraps a single input.

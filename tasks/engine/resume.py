@@ -142,7 +142,7 @@ class ResumeGuard(Callback):
             return
         self.run_id = checkpoint.get("suite_run", {}).get("id", self.run_id)
         saved = checkpoint.get("suite_resume")
-        if saved is None:  # written before settings were recorded: nothing to compare
+        if saved is None:  # a checkpoint without recorded settings (not a suite fit's): nothing to compare
             return
         old, new = flatten(saved), flatten(self.current(trainer))
         changed = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
