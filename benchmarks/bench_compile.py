@@ -1,4 +1,4 @@
-"""What ``--model.compile`` costs and gains through the real CLI (issue 31).
+"""What ``--model.compile`` costs and gains through the real CLI.
 
     python benchmarks/bench_compile.py                                   # CPU: the classification demo
     python benchmarks/bench_compile.py --tasks classify detect segment translate \\

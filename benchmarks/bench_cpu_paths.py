@@ -1,4 +1,4 @@
-"""What each CPU speed path gains on a number a user sees (issue 30: a path that gains less than 5 % goes).
+"""What each CPU speed path gains on a number a user sees (a path kept in the suite gains at least 5 %).
 
     python benchmarks/bench_cpu_paths.py --threads 2 --reps 7
 

@@ -1,4 +1,4 @@
-"""Training data-loader throughput of each task's paper recipe, before and after issue 16, per worker.
+"""Training data-loader throughput of each task's paper recipe per worker: the suite's pipelines and the former ones.
 
 For each recipe's ``data:`` section (augmentation and per-device batch size as configured)
 the task's own datamodule is built, ``setup("fit")`` run and batches drawn from
@@ -7,7 +7,7 @@ collation (and MixUp/CutMix for classification) inside the workers, persistent w
 Reading the rate of 1 worker (or of 0: all in the main process) gives the number of workers
 a GPU needs: workers = GPU images/s / images/s per worker (on enough free cores).
 
-Before and after. ``before`` builds the pipelines as they were before issue 16 (defined below:
+Before and after. ``before`` builds the suite's former pipelines, the baseline (defined below:
 torchvision's SSD chain on the full-size photo, torchvision's RandAugment kernels and MixUp /
 CutMix, OpenCV's default thread pool in each worker); ``after`` the current ones
 (:mod:`datamodules.detection_transforms`, :mod:`datamodules.classification_transforms`, one
@@ -265,7 +265,7 @@ def describe_data(pipeline: Pipeline, root: Path, recipe: dict) -> str:
     return f"{width}x{height}, {np.mean([p.stat().st_size for p in files]) / 1024:.0f} KB"
 
 
-# -- before and after issue 16 -------------------------------------------------------------------------------
+# -- the former pipelines (the ``before`` baseline) ------------------------------------------------------------
 class IoUCropWhenBoxes(v2.RandomIoUCrop):
     """``RandomIoUCrop`` that passes images without boxes through (the former pipeline's)."""
 
@@ -277,7 +277,7 @@ class IoUCropWhenBoxes(v2.RandomIoUCrop):
 
 
 def former_ssd_train_transform(image_size, mean, std, zoom_out_max=4.0, iou_crop=True, hflip=0.5) -> v2.Compose:
-    """The SSD augmentation as the suite ran it before issue 16: torchvision's chain on the full-size photo."""
+    """The former SSD augmentation: torchvision's chain on the full-size photo."""
     fill = {tv_tensors.Image: [round(255 * m) for m in mean], "others": 0}
     steps = [v2.RandomPhotometricDistort(p=0.5)]
     if zoom_out_max > 1:
@@ -293,7 +293,7 @@ def former_ssd_train_transform(image_size, mean, std, zoom_out_max=4.0, iou_crop
 
 def former_classification_train_transform(image_size, scale, hflip, rand_augment, rand_augment_magnitude,
                                           random_erasing, mean, std, interpolation) -> v2.Compose:
-    """The ImageNet augmentation before issue 16: torchvision's RandAugment kernels."""
+    """The former ImageNet augmentation: torchvision's RandAugment kernels."""
     steps = [v2.RandomResizedCrop(image_size, scale=scale, interpolation=v2.InterpolationMode(interpolation),
                                   antialias=True)]
     if hflip > 0:
@@ -307,7 +307,7 @@ def former_classification_train_transform(image_size, scale, hflip, rand_augment
 
 
 class FormerMixCollate:
-    """MixUp / CutMix before issue 16: torchvision's, on new batch-sized tensors."""
+    """The former MixUp / CutMix: torchvision's, on new batch-sized tensors."""
 
     def __init__(self, num_classes: int, mixup_alpha: float, cutmix_alpha: float):
         choices = [v2.MixUp(alpha=mixup_alpha, num_classes=num_classes)] if mixup_alpha > 0 else []

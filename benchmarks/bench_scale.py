@@ -1,4 +1,4 @@
-"""Data at scale (issue 29): the datamodules' start-up time and memory on synthetic real-size datasets.
+"""Data at scale: the datamodules' start-up time and memory on synthetic real-size datasets.
 
 Writes synthetic datasets in the real benchmarks' layouts and sizes (any ``--fraction`` of them) once
 under ``--data-root`` and reuses them:

@@ -9,8 +9,8 @@ command, ``python -m tasks.detect fit``, timed for ``--steps`` training steps af
 (``--load-batches`` batches in the main process, as the demo loads). Each variant runs in fresh child
 processes, since OpenMP reads its settings when torch loads it:
 
-- ``before``: torch's default, one thread per core, held fixed (``SUITE_THREADS`` = the cores), as the suite
-  ran before its threads followed the machine;
+- ``before``: torch's default, one thread per core, held fixed (``SUITE_THREADS`` = the cores): threads that
+  do not follow the machine;
 - ``suite``: what the suite chooses (:mod:`layers.machine`: the plan, and :class:`tasks.engine.runtime.ThreadsFollowLoad`);
 - ``one-thread``: ``OMP_NUM_THREADS=1``, for reference;
 - ``passive``: ``OMP_WAIT_POLICY=PASSIVE``, for reference.
