@@ -47,12 +47,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import Dataset
 
 from datamodules.demo import demo_root
-# shared with the VOC datamodule; importable from here as before
+# shared with the VOC datamodule, and importable from here
 from datamodules.detection_common import (DetectionDataModule, ImageFiles,  # noqa: F401
                                           check_augmentation, check_image_size, check_on_bad_image, collate_detection,
-                                          collate_images,
-                                          detection_item, eval_transform, ssd_train_transform, stack_detection,
-                                          stack_images)
+                                          collate_images, detection_item, eval_transform, has_area_inside,
+                                          ssd_train_transform, stack_detection, stack_images)
 from datamodules.images import IMAGENET_MEAN, IMAGENET_STD, OnBadImage, guarded, read_rgb
 from datamodules.prepared import StringTable, file_signature, prepare
 from layers.machine import AUTO, NumWorkers
@@ -251,8 +250,8 @@ class CocoDetection(Dataset):
     image file gives ``None`` (dropped and counted by :func:`collate_detection`).
 
     The annotation file is read through its prepared :class:`CocoIndex` (parsed once, then mapped by
-    every start, rank and worker). Training boxes reaching outside the image are clipped to it;
-    boxes with no area left are dropped and counted (:attr:`num_degenerate`, logged once). The
+    every start, rank and worker). Training boxes reaching outside the image are clipped to it
+    (by :func:`detection_item`); boxes with no area inside it are dropped and counted (:attr:`num_degenerate`, logged once). The
     evaluation ground truth keeps every annotation as the file has it, so mAP is COCOeval's on that
     file. An annotation naming an unknown image or category, a ``bbox`` missing, not 4 numbers or of
     negative size, an image id or file name listed twice, an image without ``width``/``height``, or
@@ -283,8 +282,9 @@ class CocoDetection(Dataset):
         crowd = self.index.iscrowd.astype(bool)
         self.num_degenerate = int((empty & ~crowd).sum())
         self.num_crowd = int(crowd.sum())
-        #: the boxes training sees: neither crowd regions nor boxes with no area inside their image
-        self.num_training_boxes = int((~empty & ~crowd).sum())
+        #: (M,) bool: the boxes training sees, neither crowd regions nor boxes with no area inside their image
+        self.trains_on = ~empty & ~crowd
+        self.num_training_boxes = int(self.trains_on.sum())
 
     def _check_declared_categories(self, file_categories: list[int], category_ids: Sequence[int],
                                    category_source: Path | str | None) -> None:
@@ -300,9 +300,7 @@ class CocoDetection(Dataset):
         (crowds never train) are dropped from training, with a warning naming them."""
         index = self.index
         per_object = np.repeat(np.arange(len(index)), np.diff(index.ann_offsets))
-        width, height = index.widths[per_object], index.heights[per_object]
-        x1, y1 = np.maximum(index.boxes[:, 0], 0), np.maximum(index.boxes[:, 1], 0)
-        empty = (np.minimum(index.boxes[:, 2], width) <= x1) | (np.minimum(index.boxes[:, 3], height) <= y1)
+        empty = ~has_area_inside(index.boxes, index.widths[per_object], index.heights[per_object])
         ids = index.ann_ids[empty & (index.iscrowd == 0)]
         if len(ids):
             rank_zero_warn(f"{self.annotation_file}: dropped {len(ids)} boxes with no area inside the image "
@@ -324,18 +322,17 @@ class CocoDetection(Dataset):
 
     def annotation(self, index: int) -> dict:
         """Sample ``index`` without its pixels: ``image_id``, the annotation file's ``width`` and
-        ``height``, the training objects (crowds and boxes with no area inside the image left out,
-        the rest clipped to it) and the ground truth as written (:func:`detection_item`)."""
+        ``height``, the training objects (crowds and boxes with no area inside the image left out;
+        :func:`detection_item` clips the rest to the image) and the ground truth as written."""
         objects = self.index.objects(index)
-        width, height = int(self.index.widths[index]), int(self.index.heights[index])
         gt_boxes = np.array(self.index.boxes[objects])
         labels = self.label_of[self.index.category_ids[objects]]
-        iscrowd = self.index.iscrowd[objects].astype(np.int64)
-        clipped = gt_boxes.clip(0, [width, height, width, height])
-        train = (clipped[:, 2] > clipped[:, 0]) & (clipped[:, 3] > clipped[:, 1]) & (iscrowd == 0)
-        return {"index": index, "image_id": int(self.image_ids[index]), "width": width, "height": height,
-                "boxes": clipped[train], "labels": labels[train], "gt_boxes": gt_boxes, "gt_labels": labels,
-                "gt_iscrowd": iscrowd, "gt_area": np.array(self.index.areas[objects])}
+        train = self.trains_on[objects]
+        # training boxes are float64, the ground truth (and VOC's boxes) float32: changing either changes batches
+        return {"index": index, "image_id": int(self.image_ids[index]), "width": int(self.index.widths[index]),
+                "height": int(self.index.heights[index]), "boxes": gt_boxes[train].astype(np.float64),
+                "labels": labels[train], "gt_boxes": gt_boxes, "gt_labels": labels,
+                "gt_iscrowd": self.index.iscrowd[objects].astype(np.int64), "gt_area": np.array(self.index.areas[objects])}
 
     def __getitem__(self, index: int):
         path = self.existing_image(index)

@@ -22,9 +22,9 @@ from functools import partial
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
-from torchvision import tv_tensors
 
 from lightning.pytorch import LightningDataModule
 
@@ -84,7 +84,7 @@ def image_item(pixels: torch.Tensor, path: str, transform) -> tuple[torch.Tensor
     """(3, H, W) uint8 upright pixels -> the ``predict`` item ``(image, {"path", "orig_size"})``; shared by
     :class:`ImageFiles`, the streamed predict split and ``DetectionTask.predict`` (:mod:`tasks.engine.predictor`)."""
     info = {"path": path, "orig_size": tuple(int(s) for s in pixels.shape[-2:])}
-    return transform(tv_tensors.Image(pixels)), info
+    return transform(pixels), info
 
 
 def check_augmentation(augmentation: str, zoom_out_max: float | None) -> None:
@@ -121,24 +121,34 @@ def check_image_size(pixels: torch.Tensor, width: int | None, height: int | None
     raise ValueError(message)
 
 
+def has_area_inside(boxes: np.ndarray, width: int | np.ndarray | None, height: int | np.ndarray | None) -> np.ndarray:
+    """(N,) bool: which (N, 4) xyxy boxes keep an area once :func:`detection_item` clips them to a ``width`` x
+    ``height`` image (one size, or one per box); with the size unknown (``None``), which have a positive size."""
+    if width is None or height is None:
+        return (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
+    x1, y1 = np.maximum(boxes[:, 0], 0), np.maximum(boxes[:, 1], 0)
+    return (np.minimum(boxes[:, 2], width) > x1) & (np.minimum(boxes[:, 3], height) > y1)
+
+
 def detection_item(pixels: torch.Tensor, sample: dict, transform, use_difficult: bool = True) -> tuple:
     """(3, H, W) uint8 pixels + their ``sample`` -> ``(image, target)`` of the detection contract.
 
     ``sample`` holds ``image_id``, ``path``, the training objects ``boxes`` (G, 4) xyxy in original
     pixels and ``labels`` (G,) (VOC: with ``difficult`` (G,), left out unless ``use_difficult``) and the
-    ground truth (:data:`GROUND_TRUTH_KEYS`). Training boxes are clamped to the image (a VOC file may
-    not give its size) and boxes with no area left dropped. Shared by the folder-read and the
-    streamed datasets of COCO and VOC, so all give the same items."""
+    ground truth (:data:`GROUND_TRUTH_KEYS`). Training boxes are clipped to the image here, and boxes with
+    no area left dropped; ``transform`` gets plain tensors and returns the item's tv_tensors. Shared by the
+    folder-read and the streamed datasets of COCO and VOC, so all give the same items."""
     height, width = (int(s) for s in pixels.shape[-2:])
     boxes, labels = torch.from_numpy(sample["boxes"]), torch.from_numpy(sample["labels"])
     if not use_difficult and "difficult" in sample:
         easy = ~torch.from_numpy(sample["difficult"])
         boxes, labels = boxes[easy], labels[easy]
+    # The detection path's one clip. Annotated boxes may reach past the image (COCO has such boxes; a VOC
+    # file need not state its size, known only once the pixels are decoded), while the augmentations judge
+    # crops by box centres and overlaps on the photo and a target must lie on the pixels it describes.
     boxes = boxes.clamp(min=torch.zeros(4), max=torch.tensor([width, height, width, height], dtype=torch.float32))
     keep = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
-    target = {"boxes": tv_tensors.BoundingBoxes(boxes[keep], format="XYXY", canvas_size=(height, width)),
-              "labels": labels[keep]}
-    image, target = transform(tv_tensors.Image(pixels), target)
+    image, target = transform(pixels, {"boxes": boxes[keep], "labels": labels[keep]})
     target.update({
         "image_id": int(sample["image_id"]),
         "path": sample["path"],

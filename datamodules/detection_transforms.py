@@ -30,10 +30,12 @@ Against the torchvision chain:
   act per pixel and commute with the resize up to rounding; no 8-bit truncation between the
   photometric steps (torchvision truncates after each on uint8).
 
-Items: ``(image (3, H, W) uint8, {"boxes": BoundingBoxes (G, 4), "labels": (G,), ...})`` ->
-``(image (3, S, S) float normalised, {"boxes": BoundingBoxes (G', 4) xyxy in output pixels,
-"labels": (G',), ...})``, other target keys passed through; boxes whose centre falls outside the
-crop, or that keep less than 1 output pixel of width, height or area, are dropped with their labels.
+Items: ``(image (3, H, W) uint8, {"boxes": (G, 4), "labels": (G,), ...})`` -> ``(image (3, S, S)
+float normalised, {"boxes": BoundingBoxes (G', 4) xyxy in output pixels, "labels": (G',), ...})``, other
+target keys passed through. The input boxes lie on the photo (:func:`datamodules.detection_common.detection_item`
+clips them) and are a plain xyxy tensor or ``BoundingBoxes``; inputs may be plain tensors or tv_tensors, and
+the outputs are tv_tensors, made once, at the end. Boxes whose centre falls outside the crop, or that keep
+less than 1 output pixel of width, height or area, are dropped with their labels.
 """
 from __future__ import annotations
 
@@ -158,15 +160,19 @@ def iou_crop_window(boxes: torch.Tensor, width: int, height: int, min_scale: flo
             return left, top, right, bottom, inside[first]
 
 
+def xyxy_boxes(boxes: torch.Tensor) -> torch.Tensor:
+    """(G, 4) boxes as a plain xyxy tensor: a plain tensor is taken as xyxy, ``BoundingBoxes`` of any format converted."""
+    if isinstance(boxes, tv_tensors.BoundingBoxes) and boxes.format != tv_tensors.BoundingBoxFormat.XYXY:
+        boxes = F.convert_bounding_box_format(boxes, new_format=tv_tensors.BoundingBoxFormat.XYXY)
+    return boxes.as_subclass(torch.Tensor)
+
+
 def plain_inputs(image: torch.Tensor, target: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """A training item's (3, H, W) uint8 pixels and (G, 4) xyxy boxes as plain tensors; any other image is
-    refused naming its shape and dtype."""
+    """A training sample's (3, H, W) uint8 pixels and (G, 4) xyxy boxes (:func:`xyxy_boxes`) as plain tensors;
+    any other image is refused naming its shape and dtype."""
     if image.dtype != torch.uint8 or image.ndim != 3:
         raise TypeError(f"SSD augmentation expects a (3, H, W) uint8 image, got {tuple(image.shape)} {image.dtype}")
-    boxes = target["boxes"]
-    if boxes.format != tv_tensors.BoundingBoxFormat.XYXY:
-        boxes = F.convert_bounding_box_format(boxes, new_format=tv_tensors.BoundingBoxFormat.XYXY)
-    return image.as_subclass(torch.Tensor), boxes.as_subclass(torch.Tensor)
+    return image.as_subclass(torch.Tensor), xyxy_boxes(target["boxes"])
 
 
 class SSDTrainTransform:
@@ -202,9 +208,7 @@ class SSDTrainTransform:
     def __call__(self, image: torch.Tensor, target: dict) -> tuple[tv_tensors.Image, dict]:
         pixels, boxes = plain_inputs(image, target)
         height, width = pixels.shape[-2:]
-        # on the photo, a box's centre is too: the window, which holds a centre, then holds photo pixels
-        boxes = boxes.as_subclass(torch.Tensor).float().clamp(min=torch.zeros(4), max=torch.tensor(
-            [width, height, width, height], dtype=torch.float32))
+        boxes = boxes.float()  # on the photo (clipped by detection_item): a window holding a centre holds photo pixels
         labels = target["labels"]
         colour = self.photometric.draw()
 
@@ -348,9 +352,7 @@ class CVNetsSSDTrainTransform:
     to rounding, contrast pivots on the mean grey, which the resize keeps up to resampling); the flip
     mirrors the output (the same as mirroring before the resize).
 
-    Items: ``(image (3, H, W) uint8, {"boxes": BoundingBoxes (G, 4), "labels": (G,), ...})`` ->
-    ``(image (3, S, S) float normalised, {"boxes": BoundingBoxes (G', 4) xyxy in output pixels,
-    "labels": (G',), ...})``, other target keys passed through.
+    Items: as :class:`SSDTrainTransform`'s (see the module docstring).
     """
 
     def __init__(self, image_size: int, mean: Sequence[float], std: Sequence[float], iou_crop: bool = True,
@@ -420,7 +422,33 @@ def detection_train_transform(augmentation: str, image_size: int, mean: Sequence
                      f"choose one of {', '.join(AUGMENTATIONS)}")
 
 
-def eval_transform(image_size: int, mean: Sequence[float], std: Sequence[float]) -> v2.Compose:
+class SquareResize:
+    """The evaluation input of SSD: the whole image resized to ``size`` x ``size`` (the aspect ratio is not kept),
+    scaled to [0, 1] and normalised; boxes, when given, follow it. torchvision's ``Resize((size, size),
+    antialias=True) -> ClampBoundingBoxes -> ToDtype(float32, scale=True) -> Normalize`` chain, computed with its
+    functional kernels on plain tensors (equal to the chain bit for bit).
+
+    ``(image (3, H, W) uint8)`` -> ``Image (3, S, S)``; ``(image, {"boxes": (G, 4) xyxy, ...})`` -> ``(Image,
+    {"boxes": BoundingBoxes (G, 4) xyxy in output pixels, ...})``, other target keys passed through."""
+
+    def __init__(self, size: int, mean: Sequence[float], std: Sequence[float]):
+        self.size = size
+        self.mean, self.std = list(mean), list(std)
+
+    def __call__(self, image: torch.Tensor, target: dict | None = None):
+        pixels = image.as_subclass(torch.Tensor)
+        out = F.resize(pixels, [self.size, self.size], antialias=True)
+        out = tv_tensors.Image(F.normalize(F.to_dtype(out, torch.float32, scale=True), self.mean, self.std))
+        if target is None:
+            return out
+        boxes, canvas = F.resize_bounding_boxes(xyxy_boxes(target["boxes"]), canvas_size=tuple(pixels.shape[-2:]),
+                                                size=[self.size, self.size])
+        # the float scale can carry an edge on the image's border a hair past the square's
+        boxes = F.clamp_bounding_boxes(boxes, format=tv_tensors.BoundingBoxFormat.XYXY, canvas_size=canvas,
+                                       clamping_mode="soft")
+        return out, {**target, "boxes": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=canvas)}
+
+
+def eval_transform(image_size: int, mean: Sequence[float], std: Sequence[float]) -> SquareResize:
     """Resize to the square model input (SSD does not keep the aspect ratio)."""
-    return v2.Compose([v2.Resize((image_size, image_size), antialias=True), v2.ClampBoundingBoxes(),
-                       v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+    return SquareResize(image_size, mean, std)

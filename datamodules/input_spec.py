@@ -116,9 +116,7 @@ class InputSpec:
         if self.resize == "short_side":
             return transform(image=np.ascontiguousarray(pixels.permute(1, 2, 0).numpy()))["image"]
         if self.resize == "square":
-            from torchvision import tv_tensors
-
-            return transform(tv_tensors.Image(pixels)).as_subclass(torch.Tensor)
+            return transform(pixels).as_subclass(torch.Tensor)
         return transform(pixels)
 
 

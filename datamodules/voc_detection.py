@@ -60,7 +60,7 @@ from torch.utils.data import Dataset
 
 from datamodules.demo import demo_root
 from datamodules.detection_common import (DetectionDataModule, check_augmentation, check_image_size, check_on_bad_image,
-                                          detection_item)
+                                          detection_item, has_area_inside)
 from datamodules.images import IMAGENET_MEAN, IMAGENET_STD, OnBadImage, guarded, read_rgb
 from layers.machine import AUTO, NumWorkers
 
@@ -256,16 +256,15 @@ class VocDetection(Dataset):
         degenerate = []
         for entry, ann in zip(self.images, self.annotations):
             train = np.ones(len(ann.labels), bool) if use_difficult_in_training else ~ann.difficult
-            boxes = ann.boxes
-            if ann.width and ann.height:  # else clipped when the image is read
-                boxes = boxes.clip(0, [ann.width, ann.height, ann.width, ann.height])
-            valid = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
+            known = bool(ann.width and ann.height)  # else the decoded image's size, in detection_item
+            valid = has_area_inside(ann.boxes, ann.width if known else None, ann.height if known else None)
             degenerate += [f"{entry.stem} object {k + 1}" for k in np.flatnonzero(train & ~valid)]
             keep = train & valid
             width, height = ann.boxes[:, 2] - ann.boxes[:, 0], ann.boxes[:, 3] - ann.boxes[:, 1]
             self.targets.append({
-                # training: clipped boxes with area, difficult ones left out unless asked for (and flagged)
-                "boxes": boxes[keep].astype(np.float32), "labels": ann.labels[keep], "difficult": ann.difficult[keep],
+                # training: boxes with area inside the image (detection_item clips them to it), difficult ones
+                # left out unless asked for (and flagged)
+                "boxes": ann.boxes[keep], "labels": ann.labels[keep], "difficult": ann.difficult[keep],
                 # evaluation: every object as the file has it
                 "gt_boxes": ann.boxes, "gt_labels": ann.labels, "gt_iscrowd": np.zeros(len(ann.labels), np.int64),
                 "gt_area": (width * height).astype(np.float32), "gt_difficult": ann.difficult,

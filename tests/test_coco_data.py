@@ -137,10 +137,10 @@ def test_boxes_are_clipped_and_degenerate_ones_dropped_and_counted(coco_root, tm
                                 eval_transform(96, MEAN, STD))
     assert dataset.num_degenerate == 2
     first = json.loads((tmp_path / "c" / "annotations" / "instances_val2017.json").read_text())["annotations"][0]
-    sample = dataset.annotation(dataset.image_ids.tolist().index(first["image_id"]))
-    assert [0.0, 0.0, 20.0, 15.0] in sample["boxes"].tolist()
+    _, target = dataset[dataset.image_ids.tolist().index(first["image_id"])]  # resized to its own 96 px
+    assert [0.0, 0.0, 20.0, 15.0] in target["boxes"].tolist()
     # evaluation keeps the file's annotations as they are, as COCOeval does
-    assert [-10.0, -5.0, 20.0, 15.0] in sample["gt_boxes"].tolist()
+    assert [-10.0, -5.0, 20.0, 15.0] in target["gt_boxes"].tolist()
 
 
 @pytest.mark.parametrize("field, value, message", [
