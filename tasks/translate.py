@@ -1,36 +1,22 @@
 """Machine translation: ``python -m tasks.translate {fit,validate,test,predict}``.
 
-The encoder-decoder Transformer of "Attention is all you need", trained with
-label-smoothed cross-entropy; validation and test decode with beam search and
-score sacreBLEU (13a tokenization, detokenized hypotheses vs raw references), chrF and
-``bleu_tok_compound`` (the tokenized, compound-split BLEU the Transformer paper reports; see
-:func:`tokenized_compound_split_bleu`), corpus-level, over every sentence exactly once across ranks
-(`test` also chrF++). `test` writes
-``predictions/hypotheses.txt`` (one line per source line, in order), ``predictions/metrics.json``,
-``predictions/bleu_signature.txt`` (sacreBLEU's signature) and ``predictions/hypotheses.tsv``
-(line, sentence BLEU and chrF, source, reference, hypothesis), the lowest-chrF sentences first in
-``predictions/worst/worst.tsv``; `predict` translates ``--data.predict_path`` (a file
-or ``-`` for standard input) to ``--model.predict_output`` (a file or ``-``).
+The encoder-decoder Transformer of "Attention is all you need", trained with label-smoothed cross-entropy;
+validation and test decode with beam search and score, corpus-level over every sentence exactly once across
+ranks (:mod:`tasks.metrics.bleu`): sacreBLEU (13a tokenization, detokenized hypotheses vs raw references), chrF
+(`test` also chrF++) and ``bleu_tok_compound``, the tokenized, compound-split BLEU the Transformer paper reports.
+What `test` and `predict` write (hypotheses, sentence scores, the worst sentences, the translations of
+``--data.predict_path``, a file or ``-`` for standard input) is :mod:`tasks.outputs.translation`.
 
-The checkpoint carries the sentencepiece model the network was trained with, so `predict`
-needs nothing but the checkpoint and the text, and `validate`/`test` refuse data whose
-vocabulary is another one.
+The checkpoint carries the sentencepiece model the network was trained with, so `predict` needs nothing but
+the checkpoint and the text, and `validate`/`test` refuse data whose vocabulary is another one.
 """
 from __future__ import annotations
 
-import contextlib
-import csv
-import functools
 import math
-import os
-import re
 import sys
-from pathlib import Path
 from typing import Any, Literal
 
-import sacrebleu
 import torch
-from sacremoses import MosesTokenizer
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
@@ -38,10 +24,11 @@ from backbones.transformer import TransformerEncoder
 from datamodules.tokenizer import Tokenizer
 from heads.decoding import Hypotheses, beam_search, greedy_search, max_output_lengths
 from heads.seq2seq import TransformerDecoder
-from tasks.engine.analysis import write_worst_csv
-from tasks.export import translation as onnx_translation
-from tasks.engine.predictor import Predictor
 from tasks.engine.base import TaskModule
+from tasks.engine.predictor import Predictor
+from tasks.export import translation as onnx_translation
+from tasks.metrics.bleu import MosesVersion, corpus_bleu, corpus_chrf, tokenized_compound_split_bleu
+from tasks.outputs import translation as outputs
 
 
 def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: float, ignore_index: int
@@ -59,39 +46,6 @@ def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: floa
     smooth = -log_probs.mean(dim=-1)
     loss = (1.0 - epsilon) * nll + epsilon * smooth
     return torch.where(keep, loss, 0.0).sum(), torch.where(keep, nll, 0.0).sum(), keep.sum()
-
-
-@functools.lru_cache(maxsize=None)
-def moses_tokenizer(lang: str) -> MosesTokenizer:
-    return MosesTokenizer(lang=lang)
-
-
-def split_compounds(line: str) -> str:
-    r"""``Café-Liebhaber`` -> ``Café ##AT##-##AT## Liebhaber``: the substitution
-    ``s{(\S)-(\S)}{$1 ##AT##-##AT## $2}g`` of fairseq's ``scripts/compound_split_bleu.sh`` and
-    tensor2tensor's ``get_ende_bleu.sh`` (left to right, matches do not overlap: ``a-b-c`` ->
-    ``a ##AT##-##AT## b-c``, as in Perl)."""
-    return re.sub(r"(\S)-(\S)", r"\1 ##AT##-##AT## \2", line)
-
-
-def tokenized_compound_split_bleu(hypotheses: list[str], references: list[str], lang: str) -> float:
-    """Corpus BLEU as Vaswani et al. 2017 report it (tensor2tensor's ``get_ende_bleu.sh``, fairseq's
-    ``compound_split_bleu.sh``): hypotheses and references Moses-tokenized (``tokenizer.perl -l lang``
-    defaults: special characters escaped, no aggressive hyphen splitting; here sacremoses), hyphenated
-    compounds split by :func:`split_compounds`, then ``multi-bleu.perl``: case-sensitive BLEU-4 over
-    whitespace tokens, unsmoothed. That last step is sacreBLEU with ``tokenize="none"`` and
-    ``smooth_method="none"`` (sacreBLEU's default ``exp`` smoothing would differ from multi-bleu
-    whenever some n-gram order has no match). Not comparable with sacreBLEU's detokenized score:
-    fairseq's scaling_nmt README reports one model at 29.3 this way and 28.6 sacreBLEU."""
-    if not hypotheses:
-        return 0.0
-    tokenizer = moses_tokenizer(lang)
-
-    def prepare(lines: list[str]) -> list[str]:
-        return [split_compounds(tokenizer.tokenize(line, return_str=True, escape=True)) for line in lines]
-
-    bleu = sacrebleu.BLEU(tokenize="none", smooth_method="none")
-    return bleu.corpus_score(prepare(hypotheses), [prepare(references)]).score
 
 
 class TranslationTask(Predictor, TaskModule):
@@ -114,7 +68,11 @@ class TranslationTask(Predictor, TaskModule):
         length_penalty_form: ``gnmt`` (``((5 + |y|) / 6) ** alpha``, Wu et al. 2016, the penalty the
             Transformer paper cites) or ``fairseq`` (``|y| ** alpha``, fairseq's ``--lenpen``); |y| counts eos.
         max_len_a, max_len_b: outputs are at most ``a * source length + b`` tokens.
-        num_sample_translations: rows of the wandb table of validation translations.
+        tokenized_bleu_moses: the Moses ``tokenizer.perl`` of the tokenized compound-split BLEU
+            (:mod:`tasks.metrics.bleu`): ``paper`` (the 2016-12 script the Transformer paper was scored with,
+            logged as ``*/bleu_tok_compound``) or ``master`` (the script since 2018-11, which splits a
+            sentence-final non-breaking prefix's period, logged as ``*/bleu_tok_compound_moses_master``).
+        num_sample_translations: rows of the wandb tables of validation and test translations.
         predict_output: where `predict` writes its translations (``-`` = standard output).
         Remaining arguments: see :class:`tasks.engine.base.TaskModule`.
     """
@@ -132,7 +90,8 @@ class TranslationTask(Predictor, TaskModule):
                  learned_positions: bool = False, share_embeddings: bool = True, label_smoothing: float = 0.1,
                  beam_size: int = 4, length_penalty: float = 0.6,
                  length_penalty_form: Literal["gnmt", "fairseq"] = "gnmt", max_len_a: float = 1.2, max_len_b: int = 10,
-                 num_sample_translations: int = 16, predict_output: str = "-", **kwargs):
+                 tokenized_bleu_moses: MosesVersion = "paper", num_sample_translations: int = 16,
+                 predict_output: str = "-", **kwargs):
         super().__init__(**kwargs)
         self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
         self.max_positions = max_positions
@@ -147,12 +106,20 @@ class TranslationTask(Predictor, TaskModule):
         self.label_smoothing = label_smoothing
         self.beam_size, self.length_penalty, self.length_penalty_form = beam_size, length_penalty, length_penalty_form
         self.max_len_a, self.max_len_b = max_len_a, max_len_b
+        self.tokenized_bleu_moses = tokenized_bleu_moses
         self.num_sample_translations = num_sample_translations
         self.predict_output = predict_output
         self.eval_nll = MeanMetric()
-        self._rows: list[tuple[int, str, str, str]] = []
-        self._cut_lines: list[int] = []  # predict: lines whose source was truncated
+        self._sentences: list[tuple[int, str, str, str]] = []  # this rank's, for the corpus scores
+        #: ``(index, source, reference, hypothesis)`` of the split last validated or tested, every rank's,
+        #: in file order (what the output callbacks write)
+        self.evaluated_sentences: list[tuple[int, str, str, str]] | None = None
         self._tokenizer: Tokenizer | None = None
+
+    def output_callbacks(self) -> list:
+        return [outputs.HypothesesTxt(), outputs.BleuSignatureTxt(), outputs.HypothesesTsv(),
+                outputs.WorstTranslations(self.num_worst_examples), outputs.PredictedTranslations(self.predict_output),
+                outputs.WandbTranslations(self.num_sample_translations)]
 
     # -- model -----------------------------------------------------------------------------------
     #: the sentence pair whose teacher-forced forward gives ``gflops``: 32 source and 32 target
@@ -257,6 +224,11 @@ class TranslationTask(Predictor, TaskModule):
         return loss
 
     # -- evaluation ------------------------------------------------------------------------------
+    @property
+    def tokenized_bleu_name(self) -> str:
+        """The metric name of the tokenized compound-split BLEU under :attr:`tokenized_bleu_moses`."""
+        return "bleu_tok_compound" if self.tokenized_bleu_moses == "paper" else "bleu_tok_compound_moses_master"
+
     def _eval_step(self, batch: dict, stage: str) -> None:
         logits = self(batch["src"], batch["tgt_in"], batch.get("src_padded"))
         loss_sum, nll_sum, n = label_smoothed_nll(logits, batch["tgt_out"], self.label_smoothing, self.pad_id)
@@ -265,30 +237,32 @@ class TranslationTask(Predictor, TaskModule):
             self.eval_nll.update(nll_sum / n, weight=n)
         hypotheses = self.translate(batch["src"], src_padded=batch.get("src_padded"))
         hyps = self.tokenizer.decode(hypotheses.tokens.tolist())
-        self._rows += zip(batch["index"].tolist(), batch["src_text"], batch["tgt_text"], hyps)
+        self._sentences += zip(batch["index"].tolist(), batch["src_text"], batch["tgt_text"], hyps)
 
     def _eval_epoch_end(self, stage: str) -> dict[str, float]:
-        """Corpus scores over all ranks' sentences (each exactly once), logged the same on every rank."""
-        rows = sorted(self.all_gather_objects(self._rows))
-        self._rows = []
-        hyps = [r[3] for r in rows]
-        refs = [r[2] for r in rows]
+        """Corpus scores over all ranks' sentences (each exactly once), logged the same on every rank; the
+        sentences are left in :attr:`evaluated_sentences`."""
+        sentences = sorted(self.all_gather_objects(self._sentences))
+        self._sentences = []
+        hyps, refs = [s[3] for s in sentences], [s[2] for s in sentences]
         loss, nll = self.eval_loss_value(stage), self.eval_nll.compute()
         self.eval_losses[stage].reset()
         self.eval_nll.reset()
+        lang = self.trainer.datamodule.tgt_lang
         metrics = {
             **loss,
             f"{stage}/ppl": math.exp(min(float(nll), 50.0)),
-            f"{stage}/bleu": sacrebleu.corpus_bleu(hyps, [refs], tokenize="13a").score if rows else 0.0,
-            f"{stage}/chrf": sacrebleu.corpus_chrf(hyps, [refs]).score if rows else 0.0,
-            f"{stage}/bleu_tok_compound": tokenized_compound_split_bleu(hyps, refs, self.trainer.datamodule.tgt_lang),
+            f"{stage}/bleu": corpus_bleu(hyps, refs),
+            f"{stage}/chrf": corpus_chrf(hyps, refs),
+            f"{stage}/{self.tokenized_bleu_name}": tokenized_compound_split_bleu(hyps, refs, lang,
+                                                                                 self.tokenized_bleu_moses),
         }
         self.log_dict(metrics, prog_bar=False)
-        self._log_samples(stage, rows)
-        return metrics, rows
+        self.evaluated_sentences = sentences
+        return metrics
 
     def on_validation_epoch_start(self) -> None:
-        self._rows = []
+        self._sentences = []
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -297,62 +271,22 @@ class TranslationTask(Predictor, TaskModule):
         self._eval_epoch_end("val")
 
     def on_test_epoch_start(self) -> None:
-        super().on_test_epoch_start()
-        self._rows = []
+        self._sentences = []
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, "test")
 
     def on_test_epoch_end(self) -> None:
-        metrics, rows = self._eval_epoch_end("test")
-        hyps, refs = [r[3] for r in rows], [r[2] for r in rows]
+        metrics = self._eval_epoch_end("test")
+        sentences = self.evaluated_sentences
         # chrF++ (character n-grams plus word uni- and bigrams), from the same gathered sentences
-        chrf_pp = sacrebleu.corpus_chrf(hyps, [refs], word_order=2).score if rows else 0.0
-        self.log("test/chrf++", chrf_pp)
-        metrics["test/chrf++"] = chrf_pp
-        if self.global_rank != 0:
-            return
-        self.predictions_dir.mkdir(parents=True, exist_ok=True)
-        write_lines(self.predictions_dir / "hypotheses.txt", hyps)
-        self.write_metrics_json(metrics)
-        self.write_sentence_scores(rows)
-
-    def write_sentence_scores(self, rows: list) -> None:
-        """``predictions/bleu_signature.txt`` (sacreBLEU's signature of the corpus BLEU in metrics.json)
-        and ``predictions/hypotheses.tsv``: per sentence, in file order, ``line`` (1-based line of the
-        test file), sentence BLEU and chrF (sacreBLEU's ``sentence_bleu`` / ``sentence_chrf``), source,
-        reference and hypothesis. Tab-separated, written with the csv module (a field holding a tab
-        or a quote is quoted)."""
-        bleu = sacrebleu.BLEU(tokenize="13a")
-        bleu.corpus_score([r[3] for r in rows], [[r[2] for r in rows]])
-        (self.predictions_dir / "bleu_signature.txt").write_text(str(bleu.get_signature()) + "\n", encoding="utf-8")
-        scored = [[index + 1, sacrebleu.sentence_bleu(hypothesis, [reference]).score,
-                   sacrebleu.sentence_chrf(hypothesis, [reference]).score, source, reference, hypothesis]
-                  for index, source, reference, hypothesis in rows]
-        columns = ["line", "bleu", "chrf", "source", "reference", "hypothesis"]
-        write_worst_csv(self.predictions_dir / "hypotheses.tsv", columns,
-                        [[line, repr(b), repr(c), *texts] for line, b, c, *texts in scored], delimiter="\t")
-        # the k lowest sentence chrF (ties: file order); chrF, unlike sentence BLEU, is rarely 0 for
-        # a partly right translation, so the order is informative
-        worst = sorted(scored, key=lambda row: (row[2], row[0]))[: self.worst_examples.k]
-        if worst:
-            write_worst_csv(self.worst_dir / "worst.tsv", ["rank", *columns],
-                            [[rank, line, repr(b), repr(c), *texts] for rank, (line, b, c, *texts)
-                             in enumerate(worst, start=1)], delimiter="\t")
-
-    def _log_samples(self, stage: str, rows: list) -> None:
-        logger = self.wandb_logger
-        if logger is None or self.num_sample_translations <= 0 or self.trainer.sanity_checking or not rows:
-            return
-        step = max(1, len(rows) // self.num_sample_translations)  # spread over the split, same rows each epoch
-        data = [[i, s, r, h] for i, s, r, h in rows[::step][: self.num_sample_translations]]
-        logger.log_table(key=f"{stage}/translations", columns=["line", "source", "reference", "hypothesis"], data=data)
+        metrics["test/chrf++"] = corpus_chrf([s[3] for s in sentences], [s[2] for s in sentences], word_order=2)
+        self.log("test/chrf++", metrics["test/chrf++"])
+        self.test_metrics = metrics
 
     # -- predict ---------------------------------------------------------------------------------
-    def on_predict_epoch_start(self) -> None:
-        self._rows, self._cut_lines = [], []
-
-    def translate_texts(self, texts: list[str], cut: list[int] | None = None, beam_size: int | None = None) -> list[str]:
+    def translate_texts(self, texts: list[str], cut: list[int] | None = None,
+                        beam_size: int | None = None) -> list[str]:
         """Raw source lines -> their translations (see :meth:`encode_sources` for ``cut``)."""
         return self.tokenizer.decode(self.translate(self.encode_sources(texts, cut), beam_size).tokens.tolist())
 
@@ -372,70 +306,12 @@ class TranslationTask(Predictor, TaskModule):
                            f"tokens and were truncated (the model's max_positions {self.max_positions}, eos included)")
         return translations
 
-    def predict_step(self, batch: dict, batch_idx: int) -> list[str]:
+    def predict_step(self, batch: dict, batch_idx: int) -> list[tuple[int, str, bool]]:
+        """Per source line ``(index, translation, whether the source was cut to max_positions - 1 tokens)``."""
         cut: list[int] = []
-        hyps = self.translate_texts(batch["src_text"], cut)
-        self._rows += zip(batch["index"].tolist(), hyps)
-        self._cut_lines += [int(batch["index"][row]) for row in cut]
-        return hyps
-
-    def on_predict_epoch_end(self) -> None:
-        rows = sorted(self.all_gather_objects(self._rows))
-        self._rows = []
-        cut = sorted(set(self.all_gather_objects(self._cut_lines)))
-        self._cut_lines = []
-        if cut:
-            limit = self.max_positions - 1
-            rank_zero_warn(f"predict: {len(cut)} of {len(dict(rows))} lines had more than {limit} tokens and were "
-                           f"truncated to {limit} tokens (the model's max_positions {self.max_positions}, eos "
-                           f"included); the first is line {cut[0] + 1}")
-        if self.global_rank != 0:
-            return
-        lines = [h for _, h in dict(rows).items()]  # a sampler that pads would repeat indices
-        if self.predict_output == "-":
-            stream = _TRANSLATIONS_STDOUT or sys.stdout
-            stream.write("".join(line + "\n" for line in lines))
-            stream.flush()
-        else:
-            write_lines(Path(self.predict_output), lines)
-
-    @property
-    def predict_destination(self) -> str:
-        return "standard output" if self.predict_output == "-" else str(Path(self.predict_output).resolve())
-
-
-def write_lines(path: Path, lines: list[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8", newline="\n") as f:
-        f.writelines(line + "\n" for line in lines)
-
-
-#: where `predict` writes translations for ``predict_output="-"`` (see :func:`_stdout_for_translations`)
-_TRANSLATIONS_STDOUT = None
-
-
-@contextlib.contextmanager
-def _stdout_for_translations(enabled: bool):
-    """Keep standard output for the translations only: progress bars, wandb and Lightning
-    messages printed meanwhile go to standard error, so ``predict < in > out`` yields clean text."""
-    global _TRANSLATIONS_STDOUT
-    if not enabled:
-        yield
-        return
-    sys.stdout.flush()
-    saved_fd = os.dup(1)
-    _TRANSLATIONS_STDOUT = open(os.dup(saved_fd), "w", encoding="utf-8", closefd=True)
-    saved_stdout, sys.stdout = sys.stdout, sys.stderr
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        _TRANSLATIONS_STDOUT.close()
-        _TRANSLATIONS_STDOUT = None
-        sys.stdout.flush()
-        os.dup2(saved_fd, 1)
-        os.close(saved_fd)
-        sys.stdout = saved_stdout
+        translations = self.translate_texts(batch["src_text"], cut)
+        return [(index, text, row in cut) for row, (index, text)
+                in enumerate(zip(batch["index"].tolist(), translations))]
 
 
 def main(args=None) -> None:
@@ -443,7 +319,7 @@ def main(args=None) -> None:
     from tasks.engine.cli import SuiteCLI
 
     argv = sys.argv[1:] if args is None else list(args)
-    with _stdout_for_translations("predict" in argv and "--print_config" not in argv):
+    with outputs.translations_stdout("predict" in argv and "--print_config" not in argv):
         SuiteCLI(TranslationTask, TranslationDataModule, task="translate", default_config="demo_transformer.yaml",
                  monitor="val/bleu", mode="max", args=args)
 

@@ -1,6 +1,7 @@
 """``bleu_tok_compound``: the BLEU of Vaswani et al. 2017 (Moses tokenizer, compound splitting,
 multi-bleu.perl), checked against a computation written here: sacremoses, the ``##AT##``
-rewrite as a character loop, and multi-bleu.perl's arithmetic in plain Python."""
+rewrite as a character loop, and multi-bleu.perl's arithmetic in plain Python. The two Moses
+``tokenizer.perl`` versions it offers differ exactly where mosesdecoder 9fc964d says they do."""
 import math
 from collections import Counter
 
@@ -8,7 +9,7 @@ import pytest
 import sacrebleu
 from sacremoses import MosesTokenizer
 
-from tasks.translate import split_compounds, tokenized_compound_split_bleu
+from tasks.metrics.bleu import moses_tokenize, split_compounds, tokenized_compound_split_bleu
 
 REFERENCES = [
     "Der Café-Liebhaber trinkt jeden Morgen einen Espresso.",
@@ -61,11 +62,15 @@ def multi_bleu(hypotheses: list[str], references: list[str]) -> float:
     return 100 * brevity * math.exp(log_precision)
 
 
-def by_hand(hypotheses: list[str], references: list[str]) -> float:
+def by_hand(hypotheses: list[str], references: list[str], tokenized: dict[str, str] | None = None) -> float:
+    """multi-bleu.perl of the compound-split sacremoses tokens; ``tokenized`` gives the tokens of some lines
+    instead (what another tokenizer.perl writes for them)."""
     moses = MosesTokenizer(lang="de")
+    tokenized = tokenized or {}
 
     def prepare(lines):
-        return [split_compounds_by_hand(moses.tokenize(line, return_str=True, escape=True)) for line in lines]
+        return [split_compounds_by_hand(tokenized.get(line) or moses.tokenize(line, return_str=True, escape=True))
+                for line in lines]
 
     return multi_bleu(prepare(hypotheses), prepare(references))
 
@@ -104,3 +109,53 @@ def test_no_four_gram_match_scores_zero_as_multi_bleu_not_smoothed():
     assert tokenized_compound_split_bleu(hypotheses, references, "de") == 0.0 == by_hand(hypotheses, references)
     assert sacrebleu.corpus_bleu(hypotheses, [references], tokenize="none").score > 0
     assert tokenized_compound_split_bleu([], [], "de") == 0.0
+
+
+# -- the two tokenizer.perl versions ------------------------------------------------------------------------------
+@pytest.mark.parametrize("lang, line, paper, master", [
+    # the examples of mosesdecoder 9fc964d ("tokenizer.perl: split final dots unconditionally"), old and new output
+    ("en", "So am I.", "So am I.", "So am I ."),
+    ("de", "... schwer wie ein iPhone 5.", "... schwer wie ein iPhone 5.", "... schwer wie ein iPhone 5 ."),
+    ("fr", "Des gens admirent une œuvre d'art.", "Des gens admirent une œuvre d&apos; art.",
+     "Des gens admirent une œuvre d&apos; art ."),
+    # a German non-breaking prefix ending the sentence
+    ("de", "Die Zahlen kommen vor 7 Q.", "Die Zahlen kommen vor 7 Q.", "Die Zahlen kommen vor 7 Q ."),
+])
+def test_the_versions_tokenize_a_sentence_final_non_breaking_prefix_as_their_tokenizer_perl(lang, line, paper, master):
+    assert moses_tokenize(line, lang) == paper == moses_tokenize(line, lang, "paper")
+    assert moses_tokenize(line, lang, "master") == master
+
+
+AGREEING = [
+    *REFERENCES, *HYPOTHESES,
+    "Dr. Müller kommt am 3. Mai um 7 Uhr.",  # non-breaking prefixes inside the sentence
+    "Q. 3 war besser als Q. 2, sagte Prof. Schmidt.",
+    "Er sagte etc...",  # a final multi-dot is not a word ending in a period
+    "Die Sitzung endet vor 7 Q. Danach gibt es Kaffee.",
+    "Wer? Niemand!",
+    "",
+]
+
+
+def test_the_versions_agree_on_every_other_sentence():
+    paper = [moses_tokenize(line, "de") for line in AGREEING]
+    assert [moses_tokenize(line, "de", "master") for line in AGREEING] == paper
+    assert (tokenized_compound_split_bleu(HYPOTHESES, REFERENCES, "de", "master")
+            == tokenized_compound_split_bleu(HYPOTHESES, REFERENCES, "de"))
+
+
+def test_the_versions_score_a_corpus_with_a_sentence_final_prefix_apart_each_as_computed_by_hand():
+    final_prefix = {"Die Zahlen kommen vor 7 Q.": "Die Zahlen kommen vor 7 Q .",
+                    "Die Zahlen kamen schon vor 7 Q.": "Die Zahlen kamen schon vor 7 Q ."}
+    hypotheses = [*HYPOTHESES, "Die Zahlen kamen schon vor 7 Q."]
+    references = [*REFERENCES, "Die Zahlen kommen vor 7 Q."]
+    paper = tokenized_compound_split_bleu(hypotheses, references, "de")
+    master = tokenized_compound_split_bleu(hypotheses, references, "de", "master")
+    assert paper == pytest.approx(by_hand(hypotheses, references), abs=1e-9)
+    assert master == pytest.approx(by_hand(hypotheses, references, tokenized=final_prefix), abs=1e-9)
+    assert abs(master - paper) > 0.1
+
+
+def test_an_unknown_version_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"unknown Moses tokenizer version 'latest': choose one of paper, master"):
+        tokenized_compound_split_bleu([], [], "de", "latest")

@@ -58,8 +58,8 @@ def test_fit_checkpoints_on_bleu_and_logs_the_linked_vocabulary(fitted):
 
 @pytest.mark.slow  # a second fit; the default logger (wandb) is the one that refused
 def test_a_corpus_smaller_than_the_vocabulary_asked_for_trains_with_the_vocabulary_it_fills(tmp_path, demo_cache):
-    """``data.vocab_size`` is an upper bound: the model gets the pieces the corpus filled. Lightning used to
-    refuse to log the datamodule's and the model's different ``vocab_size`` and stopped the fit."""
+    """``data.vocab_size`` is an upper bound: the model gets the pieces the corpus filled, and the fit logs the
+    datamodule's and the model's different ``vocab_size`` (the logger must not refuse the pair)."""
     args = [a if a != "500" else "30000" for a in TINY]
     run_in(tmp_path, "fit", *args, "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1",
            "--trainer.val_check_interval", "2")
@@ -102,31 +102,46 @@ def own_translations(last: Path, demo_cache: Path, data: Path, count: int) -> tu
     return data, sources, model.tokenizer.decode(model.translate(model.encode_sources(sources)).tokens.tolist())
 
 
-@pytest.mark.slow  # ~40 s: a second `test` run
+@pytest.mark.slow  # ~80 s: two more `test` runs
 def test_test_reports_the_papers_tokenized_compound_split_bleu(fitted, demo_cache, tmp_path):
     """metrics.json's ``test/bleu_tok_compound`` on references close to what the model says (a 4-step
     model scores 0 on the real ones, which would not tell a right number from a wrong one): the
     demo corpus with 40 test lines whose German references are the model's own translations, some
-    with hyphenated compounds, scored as a computation written in the tests scores them."""
+    with hyphenated compounds, scored as a computation written in the tests scores them. With
+    ``tokenized_bleu_moses=master`` the run logs Moses master's score under its own name instead; it
+    differs where a reference ends in a non-breaking prefix."""
+    from tasks.metrics.bleu import tokenized_compound_split_bleu
+
     _, _, last, _ = fitted
     data, sources, own = own_translations(last, demo_cache, tmp_path / "data", 40)
-    refs = [f"{line} Nord-Süd-Konflikt" if i % 3 == 0 else line.replace(" ", "-", 1) if i % 3 == 1 else line
-            for i, line in enumerate(own)]
+    refs = [f"{line} Nord-Süd-Konflikt" if i % 3 == 0 else line.replace(" ", "-", 1) if i % 3 == 1
+            else f"{line} vor 7 Q." if i % 6 == 2 else line for i, line in enumerate(own)]
     (data / "test.en").write_text("".join(line + "\n" for line in sources), encoding="utf-8")
     (data / "test.de").write_text("".join(line + "\n" for line in refs), encoding="utf-8")
-    run_in(tmp_path, "test", *TINY, "--ckpt_path", str(last), "--data.root", str(data))
-    predictions = tmp_path / "runs" / "translate" / "predictions"
-    hyps = (predictions / "hypotheses.txt").read_text(encoding="utf-8").split("\n")[:-1]
-    metrics = json.loads((predictions / "metrics.json").read_text())
-    assert metrics["test/bleu_tok_compound"] == pytest.approx(by_hand(hyps, refs), abs=1e-6)
-    assert metrics["test/bleu_tok_compound"] > 10
-    assert metrics["test/bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
+    metrics, hypotheses = {}, {}
+    for moses in ("paper", "master"):
+        cwd = tmp_path / moses
+        run_in(cwd, "test", *TINY, "--ckpt_path", str(last), "--data.root", str(data),
+               "--model.tokenized_bleu_moses", moses)
+        predictions = cwd / "runs" / "translate" / "predictions"
+        hypotheses[moses] = (predictions / "hypotheses.txt").read_text(encoding="utf-8").split("\n")[:-1]
+        metrics[moses] = json.loads((predictions / "metrics.json").read_text())
+    paper, master, hyps = metrics["paper"], metrics["master"], hypotheses["paper"]
+    assert hypotheses["master"] == hyps
+    assert paper["test/bleu_tok_compound"] == pytest.approx(by_hand(hyps, refs), abs=1e-6)
+    assert paper["test/bleu_tok_compound"] > 10
+    assert paper["test/bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
+    assert set(master) - set(paper) == {"test/bleu_tok_compound_moses_master"}
+    assert set(paper) - set(master) == {"test/bleu_tok_compound"}
+    assert master["test/bleu_tok_compound_moses_master"] == pytest.approx(
+        tokenized_compound_split_bleu(hyps, refs, "de", "master"), abs=1e-6)
+    assert master["test/bleu_tok_compound_moses_master"] != pytest.approx(paper["test/bleu_tok_compound"], abs=1e-3)
 
 
 @pytest.mark.slow  # two CLI runs, ~30 s
 def test_bom_and_cr_only_files_score_and_translate_like_clean_ones(fitted, demo_cache, tmp_path):
     """Text hygiene end to end: `test` against references with a byte order mark and old-Mac line breaks
-    that equal the model's own translations scores BLEU 100 (a BOM used to cost 4 points on 10 lines);
+    that equal the model's own translations scores BLEU 100 (a BOM kept in the text would cost 4 points on 10 lines);
     `predict` reads such a file line by line and warns about the line it truncates."""
     _, _, last, _ = fitted
     data, sources, own = own_translations(last, demo_cache, tmp_path / "data", 10)

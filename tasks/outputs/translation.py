@@ -1,0 +1,174 @@
+"""What translation's `test` and `predict` write (:class:`tasks.translate.TranslationTask` computes it).
+
+Under ``predictions/``: ``hypotheses.txt`` (one line per source line, in order), ``bleu_signature.txt``
+(sacreBLEU's signature of the corpus BLEU in ``metrics.json``), ``hypotheses.tsv`` (per sentence: line, sentence
+BLEU and chrF, source, reference, hypothesis) and ``worst/worst.tsv`` (the lowest-chrF sentences). All read the
+task's ``evaluated_sentences``: ``(index, source, reference, hypothesis)`` of the whole split, in file order.
+`predict` writes its translations to ``--model.predict_output``, a file or standard output (``-``); the
+validation and test translations go to wandb as tables.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+
+from tasks.engine.analysis import write_worst_csv
+from tasks.metrics.bleu import bleu_signature, sentence_bleu, sentence_chrf
+from tasks.outputs.common import PredictWriter, predictions_dir, wandb_logger
+
+#: the columns of ``hypotheses.tsv`` (``worst.tsv`` puts ``rank`` first)
+COLUMNS = ["line", "bleu", "chrf", "source", "reference", "hypothesis"]
+
+
+def write_lines(path: Path, lines: list[str]) -> None:
+    """``lines``, one per line, UTF-8 with ``\\n`` line ends on every platform."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        f.writelines(line + "\n" for line in lines)
+
+
+def scored_row(index: int, source: str, reference: str, hypothesis: str) -> list:
+    """A row of ``hypotheses.tsv``: the 1-based line of the test file, sacreBLEU's sentence BLEU and chrF
+    (written with ``repr``: all digits), source, reference and hypothesis."""
+    return [index + 1, repr(sentence_bleu(hypothesis, reference)), repr(sentence_chrf(hypothesis, reference)),
+            source, reference, hypothesis]
+
+
+class SentencesFile(Callback):
+    """Base of the files written from the test split's sentences: :meth:`write` runs on rank 0 at the end
+    of `test` with the task's ``evaluated_sentences`` (gathered from every rank by the task)."""
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        sentences = getattr(pl_module, "evaluated_sentences", None)
+        if trainer.global_rank == 0 and sentences is not None:
+            self.write(predictions_dir(trainer), sentences)
+
+    def write(self, folder: Path, sentences: list[tuple[int, str, str, str]]) -> None:
+        raise NotImplementedError
+
+
+class HypothesesTxt(SentencesFile):
+    """``predictions/hypotheses.txt``: one translation per line of the test source file, in its order."""
+
+    def write(self, folder: Path, sentences: list) -> None:
+        write_lines(folder / "hypotheses.txt", [hypothesis for *_, hypothesis in sentences])
+
+
+class BleuSignatureTxt(SentencesFile):
+    """``predictions/bleu_signature.txt``: sacreBLEU's signature of the corpus BLEU in ``metrics.json``."""
+
+    def write(self, folder: Path, sentences: list) -> None:
+        signature = bleu_signature([s[3] for s in sentences], [s[2] for s in sentences])
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "bleu_signature.txt").write_text(signature + "\n", encoding="utf-8")
+
+
+class HypothesesTsv(SentencesFile):
+    """``predictions/hypotheses.tsv``: per sentence, in file order, the :func:`scored_row` columns.
+    Tab-separated, written with the csv module (a field holding a tab or a quote is quoted)."""
+
+    def write(self, folder: Path, sentences: list) -> None:
+        write_worst_csv(folder / "hypotheses.tsv", COLUMNS, [scored_row(*s) for s in sentences], delimiter="\t")
+
+
+class WorstTranslations(SentencesFile):
+    """``predictions/worst/worst.tsv``: the ``k`` sentences of lowest sentence chrF (ties in file order),
+    lowest first, ranked, with the columns of ``hypotheses.tsv``. chrF, unlike sentence BLEU, is rarely 0
+    for a partly right translation, so the order tells the sentences apart."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def write(self, folder: Path, sentences: list) -> None:
+        chrf = [sentence_chrf(hypothesis, reference) for _, _, reference, hypothesis in sentences]
+        order = sorted(range(len(sentences)), key=lambda i: (chrf[i], sentences[i][0]))[: max(self.k, 0)]
+        if order:
+            write_worst_csv(folder / "worst" / "worst.tsv", ["rank", *COLUMNS],
+                            [[rank, *scored_row(*sentences[i])] for rank, i in enumerate(order, start=1)],
+                            delimiter="\t")
+
+
+class WandbTranslations(Callback):
+    """``val/translations`` and ``test/translations`` in wandb: ``count`` sentences spread over the split (the
+    same ones every epoch) with their line, source, reference and hypothesis."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.log_table(trainer, pl_module, "val")
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        self.log_table(trainer, pl_module, "test")
+
+    def log_table(self, trainer, pl_module, stage: str) -> None:
+        logger, sentences = wandb_logger(trainer), getattr(pl_module, "evaluated_sentences", None)
+        if logger is None or self.count <= 0 or not sentences:
+            return
+        step = max(1, len(sentences) // self.count)
+        logger.log_table(key=f"{stage}/translations", columns=["line", "source", "reference", "hypothesis"],
+                         data=[list(s) for s in sentences[::step][: self.count]])
+
+
+#: the stream `predict` writes translations to for ``predict_output="-"`` (see :func:`translations_stdout`)
+_TRANSLATIONS_STDOUT = None
+
+
+@contextlib.contextmanager
+def translations_stdout(enabled: bool) -> Iterator[None]:
+    """Keep standard output for the translations only: progress bars, wandb and Lightning messages
+    printed meanwhile go to standard error, so ``predict < in > out`` yields clean text."""
+    global _TRANSLATIONS_STDOUT
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved_fd = os.dup(1)
+    _TRANSLATIONS_STDOUT = open(os.dup(saved_fd), "w", encoding="utf-8", closefd=True)
+    saved_stdout, sys.stdout = sys.stdout, sys.stderr
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        _TRANSLATIONS_STDOUT.close()
+        _TRANSLATIONS_STDOUT = None
+        sys.stdout.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+        sys.stdout = saved_stdout
+
+
+class PredictedTranslations(PredictWriter):
+    """`predict`'s translations, one per input line in its order, to ``output``: a file, or standard output
+    for ``-``. Rows: ``(index, translation, whether the source was cut to max_positions - 1 tokens)``; the
+    cut lines are warned about, naming the first."""
+
+    def __init__(self, output: str):
+        super().__init__()
+        self.output = output
+
+    def destination(self, trainer) -> str:
+        return "standard output" if self.output == "-" else str(Path(self.output).resolve())
+
+    def write(self, trainer, folder: Path, rows: list, pl_module) -> None:
+        translations = {index: text for index, text, _ in sorted(rows)}  # a padding sampler repeats lines
+        cut = sorted({index for index, _, was_cut in rows if was_cut})
+        if cut:
+            limit = pl_module.max_positions - 1
+            rank_zero_warn(f"predict: {len(cut)} of {len(translations)} lines had more than {limit} tokens and were "
+                           f"truncated to {limit} tokens (the model's max_positions {pl_module.max_positions}, eos "
+                           f"included); the first is line {cut[0] + 1}")
+        lines = list(translations.values())
+        if self.output != "-":
+            write_lines(Path(self.output), lines)
+            return
+        stream = _TRANSLATIONS_STDOUT or sys.stdout
+        stream.write("".join(line + "\n" for line in lines))
+        stream.flush()
