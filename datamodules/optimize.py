@@ -44,34 +44,24 @@ TASK_DATAMODULES = {
 }
 
 
-def parse_data_arguments(rest: Sequence[str]) -> dict:
-    """``["--data.vocab_size", "500", "--data.dataset=ade20k"]`` -> ``{"vocab_size": 500, "dataset": "ade20k"}``."""
-    arguments, rest = {}, list(rest)
-    while rest:
-        flag = rest.pop(0)
-        if not flag.startswith("--data."):
-            raise SystemExit(f"unrecognised argument {flag!r} (datamodule arguments are --data.<name> <value>)")
-        name, equals, value = flag[len("--data."):].partition("=")
-        if not equals:
-            if not rest:
-                raise SystemExit(f"{flag} needs a value")
-            value = rest.pop(0)
-        arguments[name] = yaml.safe_load(value)
-    return arguments
+def data_settings(argv: Sequence[str]) -> tuple[str | None, dict]:
+    """``(class path or None, arguments)`` of the datamodule that the recipes (``--config``, resolved as the
+    task's CLI resolves them, without its default recipe) and the ``--data`` / ``--data.<name> <value>``
+    flags (YAML values) describe."""
+    from tasks.engine.recipes import class_arguments, merge, resolve_recipes, split_command_line
 
-
-def recipe_data(config: str | Path) -> tuple[str | None, dict]:
-    """``(class path or None, arguments)`` of a recipe's ``data`` section, over those of its ``base:``
-    chain (a section naming another class starts afresh)."""
-    content = yaml.safe_load(Path(config).read_text()) or {}
-    class_path, arguments = (recipe_data(Path(config).parent / str(content["base"])) if content.get("base")
-                             else (None, {}))
-    data = content.get("data") or {}
-    if "class_path" in data:
-        if data["class_path"] != class_path:
-            arguments = {}
-        class_path, data = data["class_path"], data.get("init_args") or {}
-    return class_path, {**arguments, **data}
+    command = split_command_line(argv)
+    data = resolve_recipes(command, default=None).get("data") or {}
+    for flag in command.flags:
+        if flag.name != "data" and not flag.name.startswith("data."):
+            raise SystemExit(f"unrecognised argument --{flag.name} (datamodule arguments are --data.<name> <value>)")
+        if flag.value is None:
+            raise SystemExit(f"--{flag.name} needs a value")
+        if flag.name == "data":  # another class for the same arguments
+            data = {"class_path": flag.value, "init_args": class_arguments(data)}
+        else:
+            data = merge(data, {"init_args": {flag.name[len("data."):]: yaml.safe_load(flag.value)}})
+    return data.get("class_path"), class_arguments(data)
 
 
 def datamodule_class(path: str):
@@ -92,17 +82,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--splits", nargs="+", help="splits to convert (default: those the datamodule reads)")
     parser.add_argument("--num-workers", type=int, default=os.cpu_count() or 1, help="conversion processes")
     parser.add_argument("--chunk-bytes", default="64MB", help="LitData chunk size (default 64MB)")
-    parser.add_argument("--data", help="datamodule class path (default: the recipe's, else the task's)")
-    parser.add_argument("--config", help="a task recipe (YAML): its data section configures the datamodule")
+    parser.epilog = ("--config RECIPE (one or more: its data section configures the datamodule), --data CLASS_PATH "
+                     "and --data.<name> <value>: the datamodule, as for the task's fit")
     args, rest = parser.parse_known_args(argv)
-    class_path, arguments = recipe_data(args.config) if args.config else (None, {})
-    arguments.update(parse_data_arguments(rest))
+    class_path, arguments = data_settings(rest)
     if args.root is not None:
         arguments["root"] = args.root
     if args.output.startswith("local:"):  # LitData's way of reading a folder as a store; written as a folder
         args.output = args.output[len("local:"):]
 
-    cls = datamodule_class(args.data or class_path or TASK_DATAMODULES[args.task])
+    cls = datamodule_class(class_path or TASK_DATAMODULES[args.task])
     if getattr(cls, "streaming_task", None) != args.task:
         raise SystemExit(f"{cls.__module__}.{cls.__name__} is not a datamodule of task {args.task}")
     arguments.pop("streaming_root", None)

@@ -1,12 +1,15 @@
 """Recipes stack: a recipe names the one it overrides with ``base:``, an overlay given on its own
-stacks on the task's default recipe, and ``--print_config`` shows the resolved whole."""
-from pathlib import Path
-
+stacks on the task's default recipe, layers merge as jsonargparse merges config files, and
+``--print_config`` shows the resolved whole."""
 import pytest
 import yaml
 
-from tasks.engine.recipes import recipe_path, with_default_config
+from tasks.engine.recipes import merge, recipe_layers, recipe_path, resolve_recipes, split_command_line
 from tests.conftest import REPO
+
+
+def resolve(args: list[str], default) -> dict:
+    return resolve_recipes(split_command_line(args), default)
 
 
 def resolved(task: str, *args: str, capsys) -> dict:
@@ -52,18 +55,20 @@ def test_every_shipped_overlay_names_an_existing_base():
 def test_base_chains_expand_in_order_and_cycles_are_refused(tmp_path):
     default = tmp_path / "default.yaml"
     default.write_text("trainer: {max_epochs: 1}\n")
-    (tmp_path / "a.yaml").write_text("base: null\ntrainer: {max_epochs: 2}\n")
+    (tmp_path / "a.yaml").write_text("base: null\ntrainer: {max_epochs: 2, devices: 1}\n")
     (tmp_path / "b.yaml").write_text("base: a.yaml\ntrainer: {max_epochs: 3}\n")
-    args = with_default_config(["fit", "--config", str(tmp_path / "b.yaml")], default)
-    layers = [args[i + 1] for i, a in enumerate(args) if a == "--config"]
-    assert [yaml.safe_load(layer)["trainer"]["max_epochs"] for layer in layers] == [2, 3]
+    layers = recipe_layers(tmp_path / "b.yaml", default)
+    assert [layer for _, layer in layers] == [{"trainer": {"max_epochs": 2, "devices": 1}}, {"trainer": {"max_epochs": 3}}]
+    assert resolve(["fit", "--config", str(tmp_path / "b.yaml")], default) == {"trainer": {"max_epochs": 3, "devices": 1}}
     (tmp_path / "c.yaml").write_text("base: d.yaml\n")
     (tmp_path / "d.yaml").write_text("base: c.yaml\n")
     with pytest.raises(ValueError, match="its own base"):
-        with_default_config(["fit", "--config", str(tmp_path / "c.yaml")], default)
+        resolve(["fit", "--config", str(tmp_path / "c.yaml")], default)
     (tmp_path / "e.yaml").write_text("base: missing.yaml\n")
     with pytest.raises(FileNotFoundError, match="names base: missing.yaml"):
-        with_default_config(["fit", "--config", str(tmp_path / "e.yaml")], default)
+        resolve(["fit", "--config", str(tmp_path / "e.yaml")], default)
+    with pytest.raises(FileNotFoundError, match="recipe nowhere.yaml does not exist"):
+        resolve(["fit", "--config", "nowhere.yaml"], default)
 
 
 def test_a_default_recipe_that_names_a_base_is_expanded(tmp_path):
@@ -73,17 +78,68 @@ def test_a_default_recipe_that_names_a_base_is_expanded(tmp_path):
     default = tmp_path / "default.yaml"
     default.write_text("base: full.yaml\ntrainer: {max_epochs: 2}\n")
     (tmp_path / "overlay.yaml").write_text("data: {batch_size: 8}\n")
+    alone = resolve(["fit"], default)
+    assert alone == {"trainer": {"max_epochs": 2}, "data": {"batch_size": 4}}
+    assert resolve(["fit", "--config", str(tmp_path / "overlay.yaml")], default) == {
+        "trainer": {"max_epochs": 2}, "data": {"batch_size": 8}}
+    assert resolve(["fit", "--config", str(default)], default) == alone  # the default is not stacked on itself
+    assert resolve([], default) == {}  # no subcommand, no recipe: nothing is assumed
 
-    def layers(args):  # each --config value is a recipe file or the YAML text of an overlay
-        values = [args[i + 1] for i, a in enumerate(args) if a == "--config"]
-        found = [yaml.safe_load(Path(v).read_text() if v.endswith(".yaml") else v) for v in values]
-        assert all("base" not in layer for layer in found), found
-        return found
 
-    alone = layers(with_default_config(["fit"], default))
-    assert alone == [{"trainer": {"max_epochs": 1}, "data": {"batch_size": 4}}, {"trainer": {"max_epochs": 2}}]
-    stacked = layers(with_default_config(["fit", "--config", str(tmp_path / "overlay.yaml")], default))
-    assert stacked == alone + [{"data": {"batch_size": 8}}]
+def test_layers_merge_as_jsonargparse_merges_config_files():
+    """A class node naming another class replaces the node before it (nothing of the old class's arguments
+    is kept); arguments alone, under ``init_args`` or beside the ``class_path``, merge into the class there;
+    another path to the same class is the same class; lists replace."""
+    base = {"model": {"backbone": {"class_path": "backbones.MobileViTv2", "init_args": {"width": 0.5, "pretrained": "a"}},
+                      "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.1, "weight_decay": 0.05}}},
+            "trainer": {"callbacks": [{"class_path": "x.A"}, {"class_path": "x.B"}], "max_epochs": 3}}
+    layer = {"model": {"backbone": {"class_path": "backbones.convmixer.ConvMixer", "init_args": {"dim": 8}},
+                       "optimizer": {"lr": 0.2}},
+             "trainer": {"callbacks": [{"class_path": "x.C"}]}}
+    assert merge(base, layer) == {
+        "model": {"backbone": {"class_path": "backbones.convmixer.ConvMixer", "init_args": {"dim": 8}},
+                  "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.2, "weight_decay": 0.05}}},
+        "trainer": {"callbacks": [{"class_path": "x.C"}], "max_epochs": 3}}
+    same = {"model": {"backbone": {"class_path": "backbones.mobilevitv2.MobileViTv2", "init_args": {"width": 1.0}}}}
+    assert merge(base, same)["model"]["backbone"] == {"class_path": "backbones.mobilevitv2.MobileViTv2",
+                                                      "init_args": {"width": 1.0, "pretrained": "a"}}
+    # arguments given before any class was named are the arguments of the class named later
+    assert merge({"data": {"batch_size": 4}}, {"data": {"class_path": "x.D", "init_args": {"root": "r"}}}) == {
+        "data": {"class_path": "x.D", "init_args": {"batch_size": 4, "root": "r"}}}
+    assert base["model"]["optimizer"]["init_args"]["lr"] == 0.1  # the layers themselves are left as they were
+
+
+def test_flag_before_a_recipe_that_sets_it_is_refused():
+    demo = recipe_path("classify", "demo_mobilevitv2.yaml")
+    with pytest.raises(ValueError, match=r"--data.batch_size comes before --config .*demo_mobilevitv2.yaml, which "
+                                         r"sets data.batch_size too .*Put the flag after the --config"):
+        resolve(["fit", "--data.batch_size", "8", "--config", str(demo)], demo)
+    # the default recipe goes under a first --config overlay: a flag before it would lose to that too
+    overlay = REPO / "configs/classify/demo_mobilevitv2_mha.yaml"
+    with pytest.raises(ValueError, match=r"--model.optimizer.init_args.lr comes before"):
+        resolve(["fit", "--model.optimizer.init_args.lr", "0.1", "--config", str(overlay)], demo)
+    # flags after the recipe, or ones no recipe sets, keep working
+    resolve(["fit", "--config", str(demo), "--data.batch_size", "8"], demo)
+    resolve(["fit", "--trainer.default_root_dir", "x", "--config", str(demo)], demo)
+
+
+def test_a_command_line_splits_into_subcommand_recipes_and_flags():
+    command = split_command_line(["test", "--config", "a.yaml", "--data.batch_size=8", "--ckpt_path", "x.ckpt",
+                                  "-c", "b.yaml", "--print_config", "--trainer.callbacks+", "m.C", "--model.lr", "-1",
+                                  "--splits", "train", "val"])
+    assert command.subcommand == "test" and command.recipes == ("a.yaml", "b.yaml")
+    assert command.ckpt_path == "x.ckpt" and command.print_config
+    assert [(flag.name, flag.values, flag.recipes_before) for flag in command.flags] == [
+        ("data.batch_size", ("8",), 1), ("ckpt_path", ("x.ckpt",), 1), ("print_config", (), 2),
+        ("trainer.callbacks+", ("m.C",), 2), ("model.lr", ("-1",), 2), ("splits", ("train", "val"), 2)]
+    assert command.flags[3].key == "trainer.callbacks"
+    # flags go on as typed
+    assert command.tokens(without=["ckpt_path", "splits"]) == [
+        "--data.batch_size=8", "--print_config", "--trainer.callbacks+", "m.C", "--model.lr", "-1"]
+    # an option's value is never taken for the subcommand
+    assert split_command_line(["--trainer.default_root_dir", "fit", "predict"]).subcommand == "predict"
+    with pytest.raises(ValueError, match="unexpected argument 'fitt'"):
+        split_command_line(["fitt", "--data.batch_size", "8"])
 
 
 def test_segmentation_default_is_the_convmixer_demo_and_the_mobilevitv2_demo_stays_complete(capsys):

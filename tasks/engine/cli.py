@@ -45,7 +45,9 @@ import sys
 import uuid
 from netrc import netrc
 from pathlib import Path
-from typing import Optional, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator, Optional, Sequence
 
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
@@ -62,11 +64,11 @@ from tasks.engine.checkpoints import LAST_NAME, LatestCheckpoint, check_checkpoi
 from tasks.engine.determinism import check_deterministic
 from tasks.engine.preemption import Preemption, resume_command
 from tasks.engine.progress import LineProgress, stdout_is_terminal
-from tasks.engine.recipes import SUBCOMMANDS, given_keys, recipe_path, with_default_config
+from tasks.engine.recipes import (EXPORT, CommandLine, merge, recipe_keys, recipe_path, resolve_recipes,
+                                  split_command_line)
 from tasks.engine.resume import ResumeGuard, RunLock, make_run_root, parse_allowed, resume_settings
 from tasks.engine.runtime import ThreadsFollowLoad, reuse_freed_memory
 
-EXPORT = "export"
 EVALUATION = ("validate", "test", "predict")
 CONFIG_FILE_NAME = "suite_config.yaml"  # wandb keeps "config.yaml" for itself
 
@@ -113,23 +115,31 @@ class SuiteCLI(LightningCLI):
         self.user_argv = list(argv)  # as typed: for the resume command
         self.monitor = monitor
         self.mode = mode
-        if argv and argv[0] == EXPORT:
+        self.trainer = None
+        in_process = _in_process.get()
+        if in_process is not None:
+            in_process.append(self)
+        command = split_command_line(argv)
+        if command.subcommand == EXPORT:
             from tasks.export.command import run_export
 
-            run_export(argv[1:], model_class, prog=f"python -m tasks.{task} export")
+            self.export_report = run_export(command, model_class, prog=f"python -m tasks.{task} export")
             return
-        argv = with_default_config(argv, recipe_path(task, default_config))
-        self.checkpoint = read_checkpoint_for(argv, model_class)
-        self.checkpoint_path = None
+        self.checkpoint = read_checkpoint_for(command, model_class)
+        config = resolve_recipes(command, recipe_path(task, default_config))
         if self.checkpoint is not None:
-            argv, self.checkpoint_path = with_checkpoint_arguments(argv, self.checkpoint)
-        elif next((a for a in argv if a in SUBCOMMANDS), None) == "fit" and "--print_config" not in argv:
-            # fit resumes the model the recipe and the flags describe, as with `--ckpt_path last`: kept
-            # out of parsing, LightningCLI would overwrite the --model.* flags with the checkpoint's
-            # arguments, and the resume guard could not see (nor refuse) a changed optimizer
-            self.checkpoint_path = option_value(argv, "--ckpt_path")
-            argv = without_option(argv, "--ckpt_path")
-        self.argv = argv
+            config = merge(config, {"model": checkpoint_arguments(self.checkpoint)})
+        self.given_keys = recipe_keys(config) | {flag.key for flag in command.flags}
+        # `--ckpt_path` is kept out of parsing (and set in before_instantiate_classes) where LightningCLI would
+        # merge the checkpoint's arguments over the command line's: an evaluation whose checkpoint supplies the
+        # model, and fit, which resumes the model the recipe and the flags describe (with the checkpoint's
+        # arguments over them, the resume guard could not see, nor refuse, a changed optimizer). --print_config
+        # exits while parsing, before that merge: there it stays, so the printout shows it.
+        kept_out = (self.checkpoint is not None or command.subcommand == "fit") and not command.print_config
+        self.checkpoint_path = _path_or_none(command.ckpt_path) if kept_out else None
+        self.resolved_args = [*([command.subcommand] if command.subcommand else []),
+                              *(["--config", yaml.safe_dump(config, sort_keys=False)] if config else []),
+                              *command.tokens(without=["ckpt_path"] if kept_out else [])]
         self.default_datamodule = f"{datamodule_class.__module__}.{datamodule_class.__qualname__}"
         self.links = {} if self.checkpoint is not None else dict(getattr(model_class, "DATA_LINKS", {}))
         self.wandb_group = None
@@ -143,17 +153,20 @@ class SuiteCLI(LightningCLI):
             save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
             seed_everything_default=0,
             auto_configure_optimizers=False,  # optimizer/scheduler are model arguments
-            # export is answered above, before any parsing; `--help` names it here
+            # export is answered above, before any parsing; `--help` names it here. In process (tasks.run) a
+            # bad argument is an exception, not an exit
             parser_kwargs={"epilog": f"{EXPORT}: export the checkpoint's model to ONNX and check it against PyTorch "
-                                     f"with ONNX Runtime (python -m tasks.{task} {EXPORT} --help)"},
-            args=argv,
+                                     f"with ONNX Runtime (python -m tasks.{task} {EXPORT} --help)",
+                           **({"exit_on_error": False} if in_process is not None else {})},
+            args=self.resolved_args,
             run=run,
         )
 
     def parse_arguments(self, parser, args) -> None:
-        # `args` is the command line with its recipes expanded (tasks.engine.recipes): the one source of
-        # arguments, so LightningCLI's warning about sys.argv holding arguments too does not apply.
-        # DDP's launcher restarts the script with sys.argv, which expands the same way there.
+        # `args` is the subcommand, the one resolved config and the flags (tasks.engine.recipes), built from
+        # the command line: the one source of arguments, so LightningCLI's warning about sys.argv holding
+        # arguments too does not apply. DDP's launcher restarts the script with sys.argv, which resolves to
+        # the same arguments there.
         self.config = parser.parse_args(args)
 
     def add_arguments_to_parser(self, parser) -> None:
@@ -195,7 +208,7 @@ class SuiteCLI(LightningCLI):
         trainer = config.trainer
         check_deterministic(self.subcommand, trainer, config.get("model"), self.model_class)
         if self.checkpoint_path is not None:
-            config.ckpt_path = self.checkpoint_path  # kept out of parsing: see with_checkpoint_arguments
+            config.ckpt_path = self.checkpoint_path  # kept out of parsing: see __init__
         # one checkpoint directory per run root, so `--ckpt_path last` finds the interrupted run
         # (the logger's per-run version directory changes on every launch)
         if config.checkpoint.dirpath is None:
@@ -237,7 +250,7 @@ class SuiteCLI(LightningCLI):
         size = data_args.get("image_size")
         if size is None:
             return
-        if "model.backbone.img_size" not in given_keys(self.argv):
+        if "model.backbone.img_size" not in self.given_keys:
             backbone_args.img_size = size
         elif _pair(backbone_args.img_size) != _pair(size):
             raise ValueError(
@@ -399,83 +412,44 @@ def _pair(size) -> tuple:
     return tuple(size) if isinstance(size, (list, tuple)) else (size, size)
 
 
-def read_checkpoint_for(argv: list[str], model_class: type) -> dict | None:
+def read_checkpoint_for(command: CommandLine | Sequence[str], model_class: type) -> dict | None:
     """The checkpoint an evaluation subcommand (validate/test/predict) names with ``--ckpt_path``,
     checked; ``None`` for fit, for no checkpoint and for Lightning's aliases (last, best, ...)."""
-    subcommand = next((a for a in argv if a in SUBCOMMANDS), None)
-    path = option_value(argv, "--ckpt_path")
-    if path in (None, "null", "None"):
-        return None
-    if path in ("last", "best", "hpc", "registry"):
+    if not isinstance(command, CommandLine):
+        command = split_command_line(command)
+    path = _path_or_none(command.ckpt_path)
+    if path is None or path in ("last", "best", "hpc", "registry"):
         return None
     checkpoint = check_checkpoint_file(path, model_class)
-    if subcommand == "fit" and "averaged_from" in checkpoint:
+    if command.subcommand == "fit" and "averaged_from" in checkpoint:
         raise ValueError(f"{path} is an average of checkpoints ({checkpoint['averaged_from']}): it has no optimizer "
                          "state to resume fit from; evaluate it with validate/test/predict, or export it")
-    # a checkpoint without saved arguments (written before they were) is loaded into the recipe's model
-    return checkpoint if subcommand in EVALUATION and checkpoint.get("hyper_parameters") else None
+    # a checkpoint without saved arguments is loaded into the recipe's model
+    return checkpoint if command.subcommand in EVALUATION and checkpoint.get("hyper_parameters") else None
 
 
-def option_value(argv: list[str], name: str) -> str | None:
-    """The value of ``name`` in an argument list (``--name value`` or ``--name=value``; the last wins)."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == name and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg[len(name) + 1:]
-    return value
-
-
-def model_overrides(argv: list[str]) -> list[str]:
-    """The ``--model.*`` arguments of an argument list, with their values, in order."""
-    out = []
-    for i, arg in enumerate(argv):
-        if arg.startswith("--model.") or arg.startswith("--model="):
-            out.append(arg)
-            if "=" not in arg and i + 1 < len(argv):
-                out.append(argv[i + 1])
-    return out
-
-
-def with_checkpoint_arguments(argv: list[str], checkpoint: dict) -> tuple[list[str], str | None]:
-    """An evaluation's arguments with the checkpoint's constructor arguments as a ``--config``
-    layer after the recipes', and the command line's ``--model.*`` arguments moved after that
-    layer, so that they win over it (LightningCLI's own merge lets the checkpoint win over them).
-
-    ``--ckpt_path`` is taken out and returned: LightningCLI would merge the checkpoint's arguments
-    once more after parsing. It stays for ``--print_config``, which prints and exits while
-    parsing (before that merge), so the printout shows it."""
+def checkpoint_arguments(checkpoint: dict) -> dict:
+    """The model's constructor arguments saved in a checkpoint, as a config's ``model`` section."""
     hparams = dict(checkpoint.get("hyper_parameters", {}))
     hparams.pop("_instantiator", None)
     hparams.pop("_class_path", None)
-    overrides = model_overrides(argv)
-    rest, skip = [], 0
-    for i, arg in enumerate(argv):
-        if skip:
-            skip -= 1
-            continue
-        if arg.startswith("--model.") or arg.startswith("--model="):
-            skip = 0 if "=" in arg else 1
-            continue
-        rest.append(arg)
-    path = option_value(rest, "--ckpt_path")
-    if "--print_config" not in rest:
-        rest = without_option(rest, "--ckpt_path")
-    configs = [i for i, arg in enumerate(rest) if arg == "--config" or arg.startswith("--config=")]
-    at = (configs[-1] + (1 if "=" in rest[configs[-1]] else 2)) if configs else len(rest)
-    layer = ["--config", yaml.safe_dump({"model": _plain(hparams)}, sort_keys=False)]
-    return rest[:at] + layer + rest[at:] + overrides, path
+    return _plain(hparams)
 
 
-def without_option(argv: list[str], name: str) -> list[str]:
-    """``argv`` without ``name`` and its value (``--name value`` or ``--name=value``)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == name:
-            skip = True
-        elif not arg.startswith(name + "="):
-            out.append(arg)
-    return out
+def _path_or_none(value: str | None) -> str | None:
+    return None if value in (None, "null", "None") else value
+
+
+#: the SuiteCLI objects built inside :func:`in_process` (``tasks.run`` reads its run's results from them)
+_in_process: ContextVar[list | None] = ContextVar("suite_cli_in_process", default=None)
+
+
+@contextmanager
+def in_process() -> Iterator[list["SuiteCLI"]]:
+    """Collect the CLIs a task's ``main`` builds in this block; their bad arguments raise instead of exiting."""
+    built: list[SuiteCLI] = []
+    token = _in_process.set(built)
+    try:
+        yield built
+    finally:
+        _in_process.reset(token)

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import yaml
 
 from datamodules.input_spec import InputSpec
+from tasks.engine.recipes import CommandLine, split_command_line
 from tasks.export.onnx import (DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, ExportReport, ExportRequest, check_opset,
                                require_export_extra)
 
@@ -43,7 +44,7 @@ def exporter_of(model_class: type):
 
 
 def export_parser(model_class: type, prog: str):
-    """The ``export`` subcommand's parser. ``--data.KEY VALUE`` arguments are read apart (see :func:`run_export`)."""
+    """The ``export`` subcommand's parser. ``--data.KEY VALUE`` arguments are read apart (:func:`data_overrides`)."""
     from jsonargparse import ArgumentParser
 
     parser = ArgumentParser(prog=prog, description=(
@@ -62,25 +63,15 @@ def export_parser(model_class: type, prog: str):
     return parser
 
 
-def split_data_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    """(the other arguments, {KEY: value}) from ``--data.KEY VALUE`` / ``--data.KEY=VALUE`` (YAML values)."""
-    rest, data = [], {}
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg.startswith("--data."):
-            key, has_value, value = arg[len("--data."):].partition("=")
-            if not has_value:
-                if i + 1 >= len(args):
-                    raise ValueError(f"{arg} needs a value")
-                value = args[i + 1]
-                i += 1
-            data[key] = yaml.safe_load(value)
-        else:
-            rest.append(arg)
-        i += 1
-    return rest, data
+def data_overrides(command: CommandLine) -> dict[str, Any]:
+    """``{KEY: value}`` of the command line's ``--data.KEY VALUE`` / ``--data.KEY=VALUE`` (YAML values)."""
+    overrides = {}
+    for flag in command.flags:
+        if flag.name.startswith("data."):
+            if flag.value is None:
+                raise ValueError(f"--{flag.name} needs a value")
+            overrides[flag.name[len("data."):]] = yaml.safe_load(flag.value)
+    return overrides
 
 
 #: ``--data.KEY`` options that change the input specification an image graph is exported with
@@ -102,14 +93,20 @@ def export_spec(model, overrides: dict[str, Any]) -> InputSpec | None:
         return None
 
 
-def run_export(argv: Sequence[str], model_class: type, prog: str = "export") -> ExportReport:
-    """``export`` for ``model_class``'s task: parse ``argv`` (the arguments after ``export``), export, check, print."""
+def run_export(argv: CommandLine | Sequence[str], model_class: type, prog: str = "export") -> ExportReport:
+    """``export`` for ``model_class``'s task: read the command line (``argv``: the arguments after ``export``, or
+    the whole command line split by :func:`tasks.engine.recipes.split_command_line`), export, check, print."""
     from tasks.engine.base import qualified_name
     from tasks.engine.checkpoints import check_checkpoint_file
 
     exporter = exporter_of(model_class)
-    rest, overrides = split_data_overrides(argv)
-    args = export_parser(model_class, prog).parse_args(rest)
+    command = argv if isinstance(argv, CommandLine) else split_command_line(argv)
+    if command.recipes:
+        raise ValueError(f"export takes no --config ({command.recipes[0]}): the checkpoint is the model's recipe; "
+                         "--data.image_size, --data.mean and --data.std change its input specification")
+    overrides = data_overrides(command)
+    args = export_parser(model_class, prog).parse_args(
+        command.tokens(without=[flag.name for flag in command.flags if flag.name.startswith("data.")]))
     require_export_extra()
     check_opset(args.opset)
     checkpoint = check_checkpoint_file(args.ckpt_path, model_class)
