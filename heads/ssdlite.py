@@ -11,12 +11,18 @@ Structure (Sandler et al., MobileNetV2, sec. 6.3; the MobileViT papers' COCO set
 - anchors (:mod:`heads.anchors`), box coding (:mod:`heads.box_coder`), matching
   (:mod:`heads.matcher`), the multibox loss and the post-processing below.
 
+The head owns everything between the backbone's features and boxes in pixels, as torchvision's
+``SSD`` model does: its :meth:`SSDLiteHead.forward` returns :class:`SSDLiteOutputs` (the anchors
+travel with the predictions), :meth:`SSDLiteHead.loss` matches them to the ground truth, and
+:meth:`SSDLiteHead.postprocess` turns them into detections in the input's pixels or, given each
+image's original size, in the original image's. A caller never handles anchors or scales boxes.
+
 Classes are the dataset's contiguous labels ``0 .. num_classes - 1``; the head adds the
 background class internally (index 0 of its logits) and never exposes it.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +36,17 @@ from heads.matcher import SSDMatcher
 from layers.conv import ConvNormAct
 
 GLOBAL_LEVEL = -1  #: the output stride that names the global-average-pooled 1x1 level
+
+#: image sizes ``(height, width)``: a sequence of pairs or a (B, 2) tensor
+ImageSizes = Sequence[Sequence[int]] | torch.Tensor
+
+
+class SSDLiteOutputs(NamedTuple):
+    """What :meth:`SSDLiteHead.forward` returns, for :meth:`SSDLiteHead.loss` and :meth:`SSDLiteHead.postprocess`."""
+
+    cls_logits: torch.Tensor  #: (B, A, num_classes + 1), background first
+    box_regression: torch.Tensor  #: (B, A, 4) box codes relative to the anchors (:mod:`heads.box_coder`)
+    anchors: torch.Tensor  #: (A, 4) ``cx, cy, w, h`` as fractions of the input's sides
 
 
 class SeparableConv(nn.Sequential):
@@ -60,8 +77,8 @@ class SSDLiteHead(nn.Module):
         neg_pos_ratio: hard negatives kept per positive anchor in the classification loss.
         score_threshold, topk_candidates, nms_threshold, detections_per_image: post-processing.
 
-    ``forward(features)`` takes the backbone's dict and returns ``(cls_logits (B, A, num_classes + 1),
-    box_regression (B, A, 4), anchors (A, 4))``; see :meth:`loss` and :meth:`postprocess`.
+    ``forward(features)`` takes the backbone's dict and returns :class:`SSDLiteOutputs`; :meth:`loss`
+    and :meth:`postprocess` take them with the input's ``(height, width)``.
     """
 
     def __init__(self, feature_channels: dict[int, int], num_classes: int,
@@ -148,7 +165,7 @@ class SSDLiteHead(nn.Module):
                         else self.extra_layers[self._key(stride)](maps[-1]))
         return maps
 
-    def forward(self, features: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, features: dict[int, torch.Tensor]) -> SSDLiteOutputs:
         maps = self.pyramid(features)
         batch = maps[0].shape[0]
         outputs = [predict(x).permute(0, 2, 3, 1).reshape(batch, -1, 4 + self.num_classes + 1)
@@ -156,12 +173,12 @@ class SSDLiteHead(nn.Module):
         outputs = torch.cat(outputs, dim=1)
         anchors = self.anchor_generator([m.shape[-2:] for m in maps], device=outputs.device)
         box_regression, cls_logits = outputs.split([4, self.num_classes + 1], dim=-1)
-        return cls_logits, box_regression, anchors
+        return SSDLiteOutputs(cls_logits, box_regression, anchors)
 
     # -- training ---------------------------------------------------------------------------------
     @torch.no_grad()
     def assign_targets(self, targets: Sequence[dict[str, torch.Tensor]], anchors: torch.Tensor,
-                       image_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+                       image_size: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Match anchors to each image's boxes, the whole batch at once (boxes padded to the longest list).
 
         Args:
@@ -188,7 +205,7 @@ class SSDLiteHead(nn.Module):
         has_boxes = labels[:, :1, None] >= 0
         return target_labels, torch.where(has_boxes, codes, 0.0)
 
-    def _pixels_per_unit(self, image_size: tuple[int, int], device: torch.device) -> torch.Tensor:
+    def _pixels_per_unit(self, image_size: Sequence[int], device: torch.device) -> torch.Tensor:
         """``(width, height, width, height)`` on ``device``, made once per size (a copy to a GPU waits)."""
         key = (tuple(int(v) for v in image_size), str(device))
         if key not in self._pixel_scales:
@@ -196,8 +213,16 @@ class SSDLiteHead(nn.Module):
             self._pixel_scales[key] = torch.tensor([width, height, width, height], dtype=torch.float32).to(device)
         return self._pixel_scales[key]
 
-    def loss(self, cls_logits: torch.Tensor, box_regression: torch.Tensor, target_labels: torch.Tensor,
-             target_codes: torch.Tensor) -> dict[str, torch.Tensor]:
+    def loss(self, outputs: SSDLiteOutputs, targets: Sequence[dict[str, torch.Tensor]],
+             image_size: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The multibox loss of ``outputs`` against ``targets`` (per image ``{"boxes": (G, 4) x1y1x2y2 in
+        input pixels, "labels": (G,)}``) on inputs of ``image_size`` ``(height, width)``: the anchors are
+        matched (:meth:`assign_targets`), then scored (:meth:`multibox_loss`, whose dict it returns)."""
+        target_labels, target_codes = self.assign_targets(targets, outputs.anchors, image_size)
+        return self.multibox_loss(outputs.cls_logits, outputs.box_regression, target_labels, target_codes)
+
+    def multibox_loss(self, cls_logits: torch.Tensor, box_regression: torch.Tensor, target_labels: torch.Tensor,
+                      target_codes: torch.Tensor) -> dict[str, torch.Tensor]:
         """Multibox loss: smooth L1 on positive anchors plus cross-entropy on positives and the
         ``neg_pos_ratio`` times as many hardest negatives per image, both summed and divided by the
         number of positives in the batch. Computed in float32 even under autocast, over the whole
@@ -233,21 +258,38 @@ class SSDLiteHead(nn.Module):
         return rank < num_negative
 
     # -- inference --------------------------------------------------------------------------------
-    @torch.no_grad()
-    def postprocess(self, cls_logits: torch.Tensor, box_regression: torch.Tensor, anchors: torch.Tensor,
-                    image_size: tuple[int, int]) -> list[dict[str, torch.Tensor]]:
-        """Decode, threshold, keep the top ``topk_candidates`` per class, class-wise NMS, keep the
-        best ``detections_per_image`` -- for the whole batch at once (one NMS call, no Python loop
-        over classes or boxes).
+    def scores_and_boxes(self, outputs: SSDLiteOutputs, image_size: Sequence[int],
+                         original_sizes: ImageSizes | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per anchor the class probabilities (B, A, num_classes), background left out, and its decoded box
+        (B, A, 4) x1y1x2y2 in pixels: of each original image when ``original_sizes`` (per image ``(height,
+        width)``) are given, else of the input of ``image_size`` ``(height, width)``.
 
-        Returns per image ``{"boxes": (D, 4) x1y1x2y2 in input pixels, "scores": (D,), "labels": (D,)
-        in 0..num_classes-1}``, sorted by decreasing score.
+        Boxes are clipped here and only here, to the image, while they are still fractions of its sides;
+        scaling them to an original size afterwards keeps them inside that image. Non-maximum suppression
+        compares IoUs, which a per-axis scaling leaves unchanged, so it selects the same boxes in any pixels."""
+        scores = F.softmax(outputs.cls_logits.float(), dim=-1)[..., 1:]
+        boxes = self.box_coder.decode(outputs.box_regression, outputs.anchors).clamp(0.0, 1.0)
+        if original_sizes is None:
+            height, width = image_size
+            return scores, boxes * boxes.new_tensor([width, height, width, height])
+        sizes = torch.as_tensor(original_sizes, dtype=torch.float32, device=boxes.device).reshape(-1, 2)
+        if len(sizes) != len(boxes):
+            raise ValueError(f"{len(sizes)} original sizes for a batch of {len(boxes)} images")
+        return scores, boxes * sizes[:, [1, 0, 1, 0]].unsqueeze(1)
+
+    @torch.no_grad()
+    def postprocess(self, outputs: SSDLiteOutputs, image_size: Sequence[int],
+                    original_sizes: ImageSizes | None = None) -> list[dict[str, torch.Tensor]]:
+        """Decode (:meth:`scores_and_boxes`), threshold, keep the top ``topk_candidates`` per class,
+        class-wise NMS, keep the best ``detections_per_image`` -- for the whole batch at once (one NMS
+        call, no Python loop over classes or boxes).
+
+        Returns per image ``{"boxes": (D, 4) x1y1x2y2, "scores": (D,), "labels": (D,) in 0..num_classes-1}``,
+        sorted by decreasing score; boxes in the pixels of the original image of ``original_sizes`` (per
+        image ``(height, width)``) when given, else of the input of ``image_size`` ``(height, width)``.
         """
-        height, width = image_size
-        batch, num_anchors, _ = cls_logits.shape
-        scores = F.softmax(cls_logits.float(), dim=-1)[..., 1:]  # (B, A, C)
-        boxes = self.box_coder.decode(box_regression, anchors).clamp(0.0, 1.0)
-        boxes = boxes * boxes.new_tensor([width, height, width, height])  # (B, A, 4)
+        scores, boxes = self.scores_and_boxes(outputs, image_size, original_sizes)
+        batch, num_anchors, _ = scores.shape
 
         k = min(self.topk_candidates, num_anchors)
         top_scores, top_anchor = scores.topk(k, dim=1)  # (B, k, C)

@@ -13,7 +13,7 @@ import torch
 
 from datamodules.coco import CocoDetection, eval_transform, load_coco
 from datamodules.demo_scenes import write_coco_layout
-from tasks.detect import MAP_KEYS, CocoMeanAveragePrecision, coco_per_class
+from tasks.metrics.coco_map import MAP_KEYS, CocoMeanAveragePrecision, coco_per_class
 
 
 @pytest.fixture(scope="module")

@@ -187,7 +187,7 @@ def test_per_class_coco_numbers_equal_pycocotools_on_a_nontrivial_set(tmp_path):
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
-    from tasks.detect import CocoMeanAveragePrecision, coco_per_class
+    from tasks.metrics.coco_map import CocoMeanAveragePrecision, coco_per_class
 
     rng = np.random.default_rng(0)
     category_ids = [3, 7, 11, 20]  # label 3 has neither ground truth nor detections
@@ -241,6 +241,8 @@ def test_per_class_coco_numbers_equal_pycocotools_on_a_nontrivial_set(tmp_path):
         assert got == pytest.approx(expected, abs=1e-9), (category_id, got, expected)
         aps.append(got["ap"])
     assert all(0 < ap < 1 for ap in aps[:3]) and aps[3] == -1.0  # a test that can fail
+    columns = metric.per_class(values, len(category_ids))  # what per_class.csv writes, label by label
+    assert list(columns) == ["ap", "ap50", "ap75", "ar100"] and columns["ap"] == aps
     assert evaluation.stats[0] == pytest.approx(float(values["map"]), abs=1e-6)
 
 
@@ -252,8 +254,8 @@ def test_voc_per_class_csv_is_the_metric_ap_per_class(tmp_path):
 
     import torch
 
-    from tasks.detect import DetectionTask
     from tasks.metrics.voc_map import VocMeanAveragePrecision
+    from tasks.outputs.detection import PerClassAP
 
     metric = VocMeanAveragePrecision(num_classes=3)
     gt = torch.tensor([[0.0, 0.0, 10.0, 10.0], [20.0, 20.0, 30.0, 30.0]])
@@ -261,14 +263,44 @@ def test_voc_per_class_csv_is_the_metric_ap_per_class(tmp_path):
                     "scores": torch.tensor([0.9, 0.8, 0.7]), "labels": torch.tensor([0, 0, 1])}],
                   [{"boxes": gt, "labels": torch.tensor([0, 1])}], [1])
     values = metric.compute()
-    task = SimpleNamespace(predictions_dir=tmp_path, category_ids=[1, 2, 3], category_names=["a", "b", "c"])
-    DetectionTask.write_per_class(task, values)
-    with open(tmp_path / "per_class.csv") as f:
+    task = SimpleNamespace(category_ids=[1, 2, 3], category_names=["a", "b", "c"], test_per_class=metric.per_class(values, 3))
+    PerClassAP().on_test_end(SimpleNamespace(default_root_dir=str(tmp_path), global_rank=0), task)
+    with open(tmp_path / "predictions" / "per_class.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["category_id"], r["name"]) for r in rows] == [("1", "a"), ("2", "b"), ("3", "c")]
     expected = values["ap_per_class"].tolist()
     assert [float(r["ap50"]) for r in rows[:2]] == pytest.approx(expected[:2]) and math.isnan(float(rows[2]["ap50"]))
     assert float(rows[0]["ap50"]) == pytest.approx(1.0) and float(rows[1]["ap50"]) == pytest.approx(1.0)
+
+
+def test_the_datamodule_names_the_metric_and_no_metric_state_reaches_the_checkpoint():
+    """``evaluation_metric`` picks COCO or VOC mAP once, in setup; metric states are not in the state dict, so a
+    checkpoint loads (strictly) whichever metric the model evaluated with."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from backbones import MobileViTv2
+    from tasks.detect import DetectionTask, map_metric
+    from tasks.metrics.coco_map import CocoMeanAveragePrecision
+    from tasks.metrics.voc_map import VocMeanAveragePrecision
+
+    assert isinstance(map_metric("voc", 3), VocMeanAveragePrecision)
+    assert map_metric("coco", 3, per_class=True).extended_summary
+    with pytest.raises(ValueError, match="evaluation_metric='lvis'; detection scores 'coco' or 'voc'"):
+        map_metric("lvis", 3)
+    models = []
+    for kind in ("coco", "voc"):
+        torch.manual_seed(0)
+        model = DetectionTask(MobileViTv2(width=0.25), num_classes=2)
+        model.trainer = SimpleNamespace(datamodule=SimpleNamespace(evaluation_metric=kind, input_spec=None))
+        model.setup("validate")
+        models.append(model)
+    assert isinstance(models[0].test_map, CocoMeanAveragePrecision) and isinstance(models[1].val_map, VocMeanAveragePrecision)
+    models[0].val_map.update([{"boxes": torch.zeros(1, 4), "scores": torch.ones(1), "labels": torch.zeros(1).long()}],
+                             [{"boxes": torch.zeros(0, 4), "labels": torch.zeros(0).long()}], [1])
+    assert not [key for key in models[0].state_dict() if "_map" in key]
+    models[1].load_state_dict(models[0].state_dict(), strict=True)
 
 
 COCO_PAPER_RECIPES = sorted((REPO / "configs" / "detect").glob("coco_ssdlite_*.yaml"))
@@ -288,56 +320,61 @@ def test_paper_recipes_run_one_step(recipe, fitted, tmp_path):
             "--trainer.default_root_dir", str(tmp_path / "run"), cache=cache)
 
 
-def test_test_writes_its_numbers_before_drawing_and_draws_inverted_boxes(tmp_path, caplog):
-    """A ground-truth box read inverted (x2 < x1, as a COCO box with a negative width would be) is drawn over
-    the area it names; and whatever goes wrong while drawing, metrics.json and detections.json are written."""
+def test_test_writes_its_numbers_before_drawing_and_draws_inverted_boxes(tmp_path, caplog, monkeypatch):
+    """The task's `test` outputs in their order: metrics.json, detections.json and per_class.csv first, the worst
+    images last, drawn on the network's input with boxes brought from original pixels to its size. A ground-truth
+    box read inverted (x2 < x1, as a COCO box with a negative width would be) is drawn over the area it names; and
+    whatever goes wrong while drawing, the numbers are written."""
+    import csv
+    from types import SimpleNamespace
+
     import torch
+    from torchvision.io import decode_jpeg, read_file
 
     from tasks.detect import DetectionTask
+    from tasks.outputs.common import MetricsJson
+    from tasks.outputs.detection import WorstDetections
 
-    image = torch.zeros(3, 32, 32, dtype=torch.uint8)
+    task = SimpleNamespace(draw_predictions=False, num_sample_images=8, num_worst_examples=16, category_ids=[4],
+                           category_names=["zero"], test_metrics={"test/map": 0.25, "test/loss": 1.5},
+                           test_per_class={"ap50": [0.5]}, model_cost=lambda: {})
+    callbacks = [MetricsJson(), *DetectionTask.output_callbacks(task)]
+    assert isinstance(callbacks[-1], WorstDetections)  # pictures last
+    trainer = SimpleNamespace(default_root_dir=str(tmp_path), global_rank=0, world_size=1, sanity_checking=False)
+    image = torch.zeros(3, 32, 32, dtype=torch.uint8)  # the input the network saw, of a 64 x 128 (h x w) image
+    detection = {"boxes": torch.tensor([[8.0, 4.0, 40.0, 20.0]]), "scores": torch.tensor([0.5]), "labels": torch.tensor([0])}
     no_detections = {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long), "scores": torch.zeros(0)}
-    worst = [(0.0, 7, ("/data/img.jpg", image, no_detections, torch.tensor([[20.0, 4.0, 6.0, 30.0]]), torch.tensor([0])))]
+    inverted = torch.tensor([[80.0, 8.0, 24.0, 60.0]])  # on the 32 px picture: x 6 .. 20, y 4 .. 30
+    step = {"detections": [(7, detection)],
+            "worst": [(0.0, 7, lambda: ("/data/img.jpg", image, no_detections, inverted, torch.tensor([0]), (64, 128)))]}
 
-    class Task:  # the task's end of test, with the metric and the gathering stubbed
-        global_rank = 0
-        predictions_dir = tmp_path / "predictions"
-        worst_dir = predictions_dir / "worst"
-        category_names = ["zero"]
-        test_map = None
-        _test_results = [(7, [{"image_id": 7, "category_id": 1, "bbox": [1.0, 2.0, 3.0, 4.0], "score": 0.5}])]
-        write_worst = DetectionTask.write_worst
+    def test_run():
+        for callback in callbacks:
+            callback.on_test_epoch_start(trainer, task)
+            callback.on_test_batch_end(trainer, task, step, None, 0)
+        for callback in callbacks:
+            callback.on_test_end(trainer, task)
 
-        def _log_map_values(self, stage, metric):
-            return {"test/map": 0.25}, {}
-
-        def all_gather_objects(self, items):
-            return items
-
-        def eval_loss_value(self, stage):
-            return {"test/loss": 1.5}
-
-        def gather_worst(self):
-            return worst
-
-        def write_metrics_json(self, metrics):
-            (self.predictions_dir / "metrics.json").write_text(json.dumps(metrics))
-
-        def write_per_class(self, values):
-            pass
-
-    DetectionTask.on_test_epoch_end(Task())
+    test_run()
     predictions = tmp_path / "predictions"
     assert json.loads((predictions / "metrics.json").read_text()) == {"test/map": 0.25, "test/loss": 1.5}
-    assert (predictions / "worst" / "01_img.jpg").is_file() and (predictions / "worst" / "worst.csv").is_file()
+    assert json.loads((predictions / "detections.json").read_text()) == [
+        {"image_id": 7, "category_id": 4, "bbox": [8.0, 4.0, 32.0, 16.0], "score": 0.5}]
+    with open(predictions / "per_class.csv") as f:
+        assert list(csv.reader(f)) == [["category_id", "name", "ap50"], ["4", "zero", "0.5"]]
+    with open(predictions / "worst" / "worst.csv") as f:
+        assert list(csv.reader(f))[1] == ["1", "/data/img.jpg", "0.0", "0", "1", "01_img.jpg"]
+    drawn = decode_jpeg(read_file(str(predictions / "worst" / "01_img.jpg")))
+    green = drawn[1].float()
+    assert green[16, 6] > 100 and green[16, 20] > 100 and green[4, 13] > 100 and green[16, 13] < 50
 
-    def broken(worst):
+    def broken(self, folder, worst, pl_module):
         raise ValueError("a drawing library refusing a sample")
 
-    (predictions / "metrics.json").unlink()
-    task = Task()
-    task.write_worst = broken
+    for name in ("metrics.json", "detections.json", "per_class.csv"):
+        (predictions / name).unlink()
+    monkeypatch.setattr(WorstDetections, "draw", broken)
     with caplog.at_level("WARNING"):
-        DetectionTask.on_test_epoch_end(task)
-    assert (predictions / "metrics.json").is_file() and (predictions / "detections.json").is_file()
+        test_run()
+    assert all((predictions / name).is_file() for name in ("metrics.json", "detections.json", "per_class.csv"))
     assert "could not draw predictions/worst/" in caplog.text and "refusing a sample" in caplog.text

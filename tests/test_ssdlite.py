@@ -14,7 +14,7 @@ from backbones.base import Backbone
 from heads.anchors import SSDAnchorGenerator
 from heads.box_coder import SSDBoxCoder
 from heads.matcher import SSDMatcher
-from heads.ssdlite import SSDLiteHead
+from heads.ssdlite import SSDLiteHead, SSDLiteOutputs
 
 PAPER_RATIOS = ((2, 3),) * 5 + ((2,),)
 
@@ -108,10 +108,10 @@ def test_multibox_loss_matches_reference_and_stays_float32_under_autocast():
     labels[0, :7] = torch.randint(1, 5, (7,))
     labels[1, 50:52] = 2  # image 2 has no positives: it contributes no negatives either
     codes = torch.randn(3, 200, 4)
-    loss = head.loss(cls_logits, box_regression, labels, codes)
+    loss = head.multibox_loss(cls_logits, box_regression, labels, codes)
     assert torch.allclose(loss["loss"], reference_multibox_loss(cls_logits, box_regression, labels, codes), rtol=1e-5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        low = head.loss(cls_logits.bfloat16(), box_regression.bfloat16(), labels, codes)
+        low = head.multibox_loss(cls_logits.bfloat16(), box_regression.bfloat16(), labels, codes)
     assert low["loss"].dtype == torch.float32
 
 
@@ -140,7 +140,8 @@ def reference_assign_targets(head, targets, anchors, size):
 
 def test_loss_of_the_demo_recipe_on_a_demo_batch_equals_the_per_image_loops():
     """The demo recipe's network and head on a real training batch of the demo detection data (one
-    image without any box added): batched matching and the masked loss give what the loops give."""
+    image without any box added): batched matching and the masked loss give what the loops give, and the
+    head's ``loss(outputs, targets, image_size)`` is the two in a row."""
     from backbones import MobileViTv2
     from datamodules.coco import CocoDataModule
 
@@ -154,13 +155,13 @@ def test_loss_of_the_demo_recipe_on_a_demo_batch_equals_the_per_image_loops():
     head = SSDLiteHead(backbone.feature_channels, data.num_classes, output_strides=(8, 16, 32, 64),
                        proj_channels=(128, 128, 128, 64), aspect_ratios=((2, 3), (2, 3), (2, 3), (2,)),
                        min_scale=0.12, max_scale=0.7)
-    cls_logits, box_regression, anchors = head(backbone(images))
-    labels, codes = head.assign_targets(targets, anchors, (64, 64))
-    expected_labels, expected_codes = reference_assign_targets(head, targets, anchors, 64)
+    outputs = head(backbone(images))
+    labels, codes = head.assign_targets(targets, outputs.anchors, (64, 64))
+    expected_labels, expected_codes = reference_assign_targets(head, targets, outputs.anchors, 64)
     assert torch.equal(labels, expected_labels) and (labels > 0).sum() > len(targets)
     torch.testing.assert_close(codes, expected_codes)
-    loss = head.loss(cls_logits, box_regression, labels, codes)
-    expected = reference_multibox_loss(cls_logits, box_regression, expected_labels, expected_codes)
+    loss = head.loss(outputs, targets, (64, 64))
+    expected = reference_multibox_loss(outputs.cls_logits, outputs.box_regression, expected_labels, expected_codes)
     torch.testing.assert_close(loss["loss"], expected, rtol=1e-6, atol=0)
     loss["loss"].backward()
     assert all(p.grad is not None for p in head.parameters())
@@ -191,12 +192,34 @@ def test_postprocess_matches_per_class_loop():
     sizes = [(4, 4), (2, 2), (1, 1), (1, 1), (1, 1), (1, 1)]
     anchors = head.anchor_generator(sizes)
     cls_logits, box_regression = 3 * torch.randn(2, len(anchors), 4), torch.randn(2, len(anchors), 4)
-    got = head.postprocess(cls_logits, box_regression, anchors, (64, 64))
+    got = head.postprocess(SSDLiteOutputs(cls_logits, box_regression, anchors), (64, 64))
     expected = reference_postprocess(head, cls_logits, box_regression, anchors, 64)
     for det, ref in zip(got, expected):
         assert len(det["scores"]) == len(ref) > 0
         assert torch.allclose(det["scores"], torch.tensor([r[0] for r in ref]))
         assert sorted(zip(det["labels"].tolist(), det["scores"].tolist())) == sorted((r[1], r[0]) for r in ref)
+
+
+def test_postprocess_gives_boxes_in_each_original_image_clipped_to_it():
+    """With the original sizes, the same detections as in input pixels, each box scaled by its own image's
+    width and height ratios (not swapped, not the input's) and inside that image."""
+    torch.manual_seed(0)
+    head = SSDLiteHead(TinyBackbone().feature_channels, num_classes=3, topk_candidates=50, detections_per_image=40)
+    anchors = head.anchor_generator([(4, 4), (2, 2), (1, 1), (1, 1), (1, 1), (1, 1)])
+    # wide codes push many boxes past the image: clipping matters
+    outputs = SSDLiteOutputs(3 * torch.randn(2, len(anchors), 4), 4 * torch.randn(2, len(anchors), 4), anchors)
+    originals = [(48, 100), (120, 30)]  # (height, width)
+    in_input = head.postprocess(outputs, (64, 64))
+    in_original = head.postprocess(outputs, (64, 64), originals)
+    assert head.postprocess(outputs, (64, 64), torch.tensor(originals))[1]["boxes"].equal(in_original[1]["boxes"])
+    for det, ref, (height, width) in zip(in_original, in_input, originals):
+        assert len(det["boxes"]) > 0 and det["labels"].equal(ref["labels"]) and det["scores"].equal(ref["scores"])
+        scale = torch.tensor([width / 64, height / 64, width / 64, height / 64])
+        torch.testing.assert_close(det["boxes"], ref["boxes"] * scale)
+        assert det["boxes"].min() >= 0 and (det["boxes"][:, 0::2] <= width).all() and (det["boxes"][:, 1::2] <= height).all()
+        assert (det["boxes"][:, 0::2] == width).any() or (det["boxes"][:, 1::2] == height).any()  # some were clipped
+    with pytest.raises(ValueError, match="1 original sizes for a batch of 2"):
+        head.postprocess(outputs, (64, 64), originals[:1])
 
 
 # -- the head as a whole ----------------------------------------------------------------------------
@@ -227,7 +250,9 @@ def test_parameter_count_matches_mobilevit_paper_table(size, paper_millions):
 def test_head_shapes_with_any_backbone_and_clear_error_for_missing_strides():
     backbone = TinyBackbone()
     head = SSDLiteHead(backbone.feature_channels, num_classes=5, proj_channels=(16, 16, 16, 8, 8, 8))
-    cls_logits, box_regression, anchors = head(backbone(torch.randn(2, 3, 128, 128)))
+    outputs = head(backbone(torch.randn(2, 3, 128, 128)))
+    assert isinstance(outputs, SSDLiteOutputs)
+    cls_logits, box_regression, anchors = outputs
     # 128 px: levels 8x8, 4x4, 2x2, 1x1, 1x1 (6 anchors) and global (4 anchors)
     num = 6 * (64 + 16 + 4 + 1 + 1) + 4
     assert cls_logits.shape == (2, num, 6) and box_regression.shape == (2, num, 4) and anchors.shape == (num, 4)
@@ -260,8 +285,7 @@ def test_training_reduces_loss_on_a_tiny_batch():
     opt = torch.optim.Adam(list(backbone.parameters()) + list(head.parameters()), lr=3e-3)
     losses = []
     for _ in range(40):
-        cls_logits, box_regression, anchors = head(backbone(images))
-        loss = head.loss(cls_logits, box_regression, *head.assign_targets(targets, anchors, (64, 64)))["loss"]
+        loss = head.loss(head(backbone(images)), targets, (64, 64))["loss"]
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -11,7 +11,6 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torchvision.ops import batched_nms
 
 from tasks.export.onnx import (ATOL, BOX_ATOL, Check, ExportReport, ExportRequest, export_graph, image_metadata,
@@ -76,13 +75,8 @@ class DetectorGraph(nn.Module):
 
     def forward(self, images: torch.Tensor):
         head = self.task.head
-        cls_logits, box_regression, anchors = self.task(images)
-        height, width = images.shape[-2:]
-        batch, num_anchors, _ = cls_logits.shape
-        num_classes = head.num_classes
-        scores = F.softmax(cls_logits.float(), dim=-1)[..., 1:]  # (B, A, C)
-        boxes = head.box_coder.decode(box_regression, anchors).clamp(0.0, 1.0)
-        boxes = boxes * boxes.new_tensor([width, height, width, height])  # (B, A, 4)
+        scores, boxes = head.scores_and_boxes(self.task(images), images.shape[-2:])  # (B, A, C), (B, A, 4)
+        batch, num_anchors, num_classes = scores.shape
 
         k = min(head.topk_candidates, num_anchors)
         top_scores, top_anchor = scores.transpose(1, 2).topk(k, dim=2)  # (B, C, k)

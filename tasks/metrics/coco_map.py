@@ -187,6 +187,14 @@ class CocoMeanAveragePrecision(Metric):
                            for k in ("precision", "recall", "scores")})
         return result
 
+    def per_class(self, values: dict, num_classes: int) -> dict[str, list[float]]:
+        """Per-label columns ``ap, ap50, ap75, ar100`` for labels ``0 .. num_classes - 1`` from ``compute()``'s
+        ``values`` (:func:`coco_per_class`; needs ``extended_summary``), -1 for a label without ground truth
+        or detection in the evaluated images (COCOeval's "no value")."""
+        rows = coco_per_class(values, self)
+        return {key: [rows.get(label, {}).get(key, -1.0) for label in range(num_classes)]
+                for key in ("ap", "ap50", "ap75", "ar100")}
+
 
 def coco_per_class(values: dict, metric: CocoMeanAveragePrecision) -> dict[int, dict[str, float]]:
     """Per label ``{"ap", "ap50", "ap75", "ar100"}`` from ``metric``'s ``compute()`` with

@@ -30,7 +30,7 @@ edges with this conversion give the same widths and the same IoU, so nothing is 
 reads VOC as ``xmin - 1 .. xmax - 1``, inclusive, and evaluates with ``use_legacy_coordinate=True``,
 the same thing once more.)
 
-Like :class:`tasks.detect.CocoMeanAveragePrecision` the metric keeps one state per image with
+Like :class:`tasks.metrics.coco_map.CocoMeanAveragePrecision` the metric keeps one state per image with
 its image id; under DDP the states are gathered as Python objects (ranks may hold different
 numbers of images) and an image scored twice (a padding sampler) is counted once, so 1 and N
 processes agree. Images are evaluated in image-id order, so the result does not depend on the
@@ -101,7 +101,7 @@ def average_precision(recall: np.ndarray, precision: np.ndarray, use_11_points: 
 
 class VocMeanAveragePrecision(Metric):
     """Pascal VOC mAP@0.5 (see the module docstring), with the interface of
-    :class:`tasks.detect.CocoMeanAveragePrecision`.
+    :class:`tasks.metrics.coco_map.CocoMeanAveragePrecision`.
 
     Args:
         num_classes: length of ``ap_per_class``; ``None``: one more than the largest label seen
@@ -227,3 +227,8 @@ class VocMeanAveragePrecision(Metric):
         value = torch.tensor(mean, dtype=torch.float32)
         return {"map": value, f"map_{round(100 * self.iou_threshold)}": value.clone(),
                 "ap_per_class": torch.tensor(ap, dtype=torch.float32)}
+
+    def per_class(self, values: dict, num_classes: int | None = None) -> dict[str, list[float]]:
+        """``compute()``'s ``ap_per_class`` as the one per-label column ``ap50`` (``ap<100 x iou_threshold>``),
+        ``nan`` for a class without non-difficult ground truth."""
+        return {f"ap{round(100 * self.iou_threshold)}": values["ap_per_class"].reshape(-1).tolist()}
