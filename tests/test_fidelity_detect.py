@@ -138,7 +138,7 @@ def test_training_pipeline_is_cvnets_with_its_parameters(recipe):
     from torchvision.transforms import v2
 
     from datamodules.coco import CocoDataModule
-    from datamodules.detection_transforms import CVNetsSSDTrainTransform
+    from datamodules.detection_transforms import CVNetsSSDTrainTransform, SquareResize
 
     data = value(resolve("detect", recipe), "data")
     assert data["class_path"] == "datamodules.coco.CocoDataModule"
@@ -152,8 +152,8 @@ def test_training_pipeline_is_cvnets_with_its_parameters(recipe):
                                         "saturation": (0.5, 1.5), "hue": (-0.05, 0.05)}
     assert (train.size, train.hflip, train.iou_crop) == (320, 0.5, True)
     assert train.interpolation == v2.InterpolationMode.BICUBIC
-    resize = datamodule.transform(train=False).transforms[0]
-    assert isinstance(resize, v2.Resize) and tuple(resize.size) == (320, 320)
+    evaluation = datamodule.transform(train=False)
+    assert isinstance(evaluation, SquareResize) and evaluation.size == 320
     assert datamodule.evaluation_metric == "coco"
 
 
