@@ -1,6 +1,6 @@
-"""Time-to-quality of a task's demo recipe: runs the default ``fit`` (plus any overrides),
-records the monitored validation metric against wall-clock time after every validation,
-then ``test`` on the final model (``last.ckpt``), and prints a markdown table.
+"""Time-to-quality of a task's demo recipe: runs the default ``fit`` (plus any overrides, or another
+``--config``) with ``tasks.run``, records the monitored validation metric against wall-clock time after
+every validation, then ``test`` on the final model (``last.ckpt``), and prints a markdown table.
 
     python benchmarks/demo_curve.py classify
     python benchmarks/demo_curve.py detect --trainer.max_epochs 30
@@ -10,19 +10,21 @@ Writes ``<root>/curve.json`` (root defaults to ``runs/bench-<task>``).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from lightning.pytorch import Callback
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+
+import tasks  # noqa: E402
+from tasks.engine.recipes import split_command_line  # noqa: E402
 
 
 class CurveRecorder(Callback):
@@ -51,24 +53,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("task", choices=["classify", "detect", "segment", "translate"])
     parser.add_argument("--root", default=None, help="run directory (default runs/bench-<task>)")
-    args, overrides = parser.parse_known_args()
+    args, rest = parser.parse_known_args()
+    config, overrides = recipe_and_overrides(rest)
     root = Path(args.root or f"runs/bench-{args.task}")
     curve = root / "curve.json"
     # each measurement is a fresh fit: an earlier one's last.ckpt would make the suite refuse it (one fit per root)
     shutil.rmtree(root / "checkpoints", ignore_errors=True)
-    task = importlib.import_module(f"tasks.{args.task}")
-    common = [f"--trainer.default_root_dir={root}"]
-    fit_args = ["fit", *common, f"--trainer.callbacks+={__name__}.CurveRecorder",
-                f"--trainer.callbacks.init_args.path={curve}", *overrides]
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    common = {"trainer.default_root_dir": str(root)}
+    recorder = {"trainer.callbacks+": f"{__name__}.CurveRecorder", "trainer.callbacks.init_args.path": str(curve)}
     start = time.perf_counter()
-    task.main(fit_args)
+    fit = tasks.run(args.task, config, "fit", **common, **recorder, **overrides)
     fit_seconds = time.perf_counter() - start
-    final = root / "checkpoints" / "last.ckpt"
-    # a fresh process: the fit's config names this script's callback, which only this process can import
-    subprocess.run([sys.executable, "-m", f"tasks.{args.task}", "test", *common, f"--ckpt_path={final}", *overrides],
-                   check=True)
-    metrics = json.loads((root / "predictions" / "metrics.json").read_text())
+    test = tasks.run(args.task, config, "test", **common, ckpt_path=fit["last_checkpoint"], **overrides)
+    metrics = json.loads((Path(test["predictions"]) / "metrics.json").read_text())
     points = json.loads(curve.read_text())
     monitor = [k for k in points[0] if k not in ("epoch", "step", "seconds")][0]
     print(f"\n{args.task} demo: fit {fit_seconds:.0f} s; test on the final model: "
@@ -76,6 +73,14 @@ def main() -> None:
     print(f"\n| epoch | step | seconds | {monitor} |\n| --- | --- | --- | --- |")
     for p in points:
         print(f"| {p['epoch']} | {p['step']} | {p['seconds']} | {p[monitor]:.4f} |")
+
+
+def recipe_and_overrides(argv: list[str]) -> tuple[str | None, dict[str, str]]:
+    """``(recipe or None, {key: value})`` of the task flags after the script's own: ``--config R --trainer.max_epochs 30``."""
+    command = split_command_line(argv)
+    if len(command.recipes) > 1 or any(len(flag.values) != 1 for flag in command.flags):
+        raise SystemExit("give at most one --config and a value for every flag (--name value)")
+    return (command.recipes[0] if command.recipes else None), {flag.name: flag.value for flag in command.flags}
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@
     tasks/metrics/    the benchmark metrics, each equal to its reference implementation
     tasks/outputs/    the files `test` and `predict` write, one callback per output
     tasks/export/     the ONNX export command and one graph module per task
-    tools/            commands over finished runs (``python -m tasks.tools.report``, ``average_checkpoints``)
+    tasks/tools/      commands over finished runs (``python -m tasks.tools.report``, ``average_checkpoints``)
 
-For Python, ``tasks.load(checkpoint)`` gives the trained model, ready for ``model.predict(inputs)``
-(:mod:`tasks.engine.predictor`).
+For Python, ``tasks.run(task, config, subcommand, **overrides)`` runs a subcommand in this process as the
+command line does and returns its metrics and paths (:mod:`tasks.engine.run`), and ``tasks.load(checkpoint)``
+gives the trained model, ready for ``model.predict(inputs)`` (:mod:`tasks.engine.predictor`).
 """
 from __future__ import annotations
 
@@ -51,3 +52,11 @@ def load(path, map_location="cpu"):
     from tasks.engine.predictor import load as load_model
 
     return load_model(path, map_location)
+
+
+def run(task: str, config=None, subcommand: str = "fit", **overrides) -> dict:
+    """Run ``subcommand`` of ``task`` in this process as ``python -m tasks.<task>`` does; its metrics and paths
+    (:func:`tasks.engine.run.run`)."""
+    from tasks.engine.run import run as run_task
+
+    return run_task(task, config, subcommand, **overrides)
