@@ -121,6 +121,7 @@ def test_test_reports_the_papers_tokenized_compound_split_bleu(fitted, demo_cach
     metrics, hypotheses = {}, {}
     for moses in ("paper", "master"):
         cwd = tmp_path / moses
+        cwd.mkdir()
         run_in(cwd, "test", *TINY, "--ckpt_path", str(last), "--data.root", str(data),
                "--model.tokenized_bleu_moses", moses)
         predictions = cwd / "runs" / "translate" / "predictions"

@@ -80,16 +80,15 @@ class MosesMasterTokenizer(MosesTokenizer):
     """sacremoses' tokenizer with the rule ``tokenizer.perl`` gained in mosesdecoder 9fc964d: in the
     non-breaking-prefix step, the last word's final period becomes a token of its own whatever the word
     (``"So am I."`` -> ``"So am I ."``, ``"vor 7 Q."`` -> ``"vor 7 Q ."``, ``"U.S."`` -> ``"U.S ."``).
-    The other words are decided as before by sacremoses. For :meth:`tokenize` only: Moses' Penn
-    Treebank mode kept the old rule."""
+    sacremoses decides the other words. For :meth:`tokenize` only: Moses' Penn Treebank mode has no such rule."""
 
     def handles_nonbreaking_prefixes(self, text: str) -> str:
         words = text.split()
         if words:
             final = WORD_WITH_FINAL_PERIOD.match(words[-1])
             if final:
-                # "." alone is no longer a word ending in a period, and the words before it see the same
-                # next word's first character, so sacremoses decides them as tokenizer.perl does
+                # a lone "." is not a word ending in a period, and the word before it sees the same first
+                # character of its next word, so sacremoses decides every other word as tokenizer.perl does
                 words[-1] = final.group(1) + " ."
         return super().handles_nonbreaking_prefixes(" ".join(words))
 
