@@ -45,8 +45,10 @@ def lightning_predict(model, datamodule, root: Path) -> Path:
 
     trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu",
                       default_root_dir=root)
+    from tasks.outputs.common import predict_dir
+
     trainer.predict(model, datamodule=datamodule)
-    return model.predict_dir
+    return predict_dir(trainer)
 
 
 def saved_and_loaded(model, path: Path, **rebuild):
