@@ -378,3 +378,35 @@ def test_test_writes_its_numbers_before_drawing_and_draws_inverted_boxes(tmp_pat
         test_run()
     assert all((predictions / name).is_file() for name in ("metrics.json", "detections.json", "per_class.csv"))
     assert "could not draw predictions/worst/" in caplog.text and "refusing a sample" in caplog.text
+
+
+def test_wandb_validation_boxes_are_drawn_on_the_input_the_network_saw(monkeypatch):
+    """``val/samples``: the first ``num_sample_images`` of the first batch, predicted boxes (at least
+    display_score_threshold) brought from original pixels to the input's, true boxes as the input has them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import tasks.outputs.detection as outputs
+
+    logged = {}
+
+    class Logger:
+        def log_image(self, key, images, boxes):
+            logged.update(key=key, images=images, boxes=boxes)
+
+    monkeypatch.setattr(outputs, "wandb_logger", lambda trainer: Logger())
+    images = torch.randn(3, 3, 32, 32)
+    detections = [{"boxes": torch.tensor([[0.0, 0.0, 64.0, 32.0], [8.0, 8.0, 16.0, 16.0]]),
+                   "scores": torch.tensor([0.9, 0.1]), "labels": torch.tensor([1, 0])}] * 3
+    targets = [{"boxes": torch.tensor([[1.0, 2.0, 5.0, 6.0]]), "labels": torch.tensor([0]), "orig_size": (64, 128)}] * 3
+    task = SimpleNamespace(category_names=["a", "b"], display_score_threshold=0.3)
+    callback = outputs.WandbValidationBoxes(2)
+    for batch_idx in (1, 0):  # only the first batch is logged
+        callback.on_validation_batch_end(SimpleNamespace(sanity_checking=False), task,
+                                         {"samples": (images, detections, targets)}, None, batch_idx)
+    assert logged["key"] == "val/samples" and len(logged["images"]) == 2 and logged["images"][0].shape == (32, 32, 3)
+    predicted, true = logged["boxes"][0]["predictions"]["box_data"], logged["boxes"][0]["ground_truth"]["box_data"]
+    assert [(b["position"], b["box_caption"]) for b in predicted] == [
+        ({"minX": 0.0, "minY": 0.0, "maxX": 16.0, "maxY": 16.0}, "b 0.90")]
+    assert [(b["position"], b["box_caption"]) for b in true] == [({"minX": 1.0, "minY": 2.0, "maxX": 5.0, "maxY": 6.0}, "a")]
