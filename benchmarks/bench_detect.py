@@ -78,8 +78,7 @@ def bench_train(args) -> None:
 
     def ours(batch):
         x, t = batch
-        cls_logits, box_regression, anchors = head(backbone(x))
-        loss = head.loss(cls_logits, box_regression, *head.assign_targets(t, anchors, (320, 320)))["loss"]
+        loss = head.loss(head(backbone(x)), t, (320, 320))["loss"]
         opt.zero_grad()
         loss.backward()
         opt.step()

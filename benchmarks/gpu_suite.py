@@ -645,7 +645,7 @@ def postprocess(model: nn.Module, run: Run):
     if run.recipe.task == "detect":
         if run.kind == "peer":
             return lambda outputs: model.postprocess(outputs, size)
-        return lambda outputs: model.head.postprocess(*outputs, image_size=size)  # (logits, boxes, anchors)
+        return lambda outputs: model.head.postprocess(outputs, size)
     if run.recipe.task == "segment":
         return lambda logits: F.interpolate(logits, size=size, mode="bilinear", align_corners=False).argmax(1)
     return None
