@@ -132,7 +132,7 @@ def test_aux_head_by_stage_reads_that_stage_and_names_what_is_missing():
         PSPNet({8: 16}, 5, aux=True, stage_channels=stage_channels)
     with pytest.raises(ValueError, match="both aux_stage and aux_stride are set"):
         DeepLabV3({8: 16}, 5, aux=True, aux_stage=4, aux_stride=8, stage_channels=stage_channels)
-    # what checkpoints written before aux_stage store (jsonargparse filled in aux_stride: 16): no aux head
+    # a checkpoint whose head has no aux_stage stores aux: false, aux_stride: 16 (jsonargparse's default): no aux head
     assert PSPNet({8: 16, 16: 16}, 5, aux=False, aux_stride=16).aux_head is None
 
 

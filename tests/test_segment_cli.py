@@ -44,7 +44,7 @@ def fitted(tmp_path_factory):
 
 
 def test_fit_checkpoints_on_miou(fitted):
-    _, run_dir, _ = fitted
+    root, run_dir, _ = fitted
     best = list(run_dir.rglob("best-*.ckpt"))
     assert best and list(run_dir.rglob("last.ckpt"))
     import torch
@@ -52,8 +52,13 @@ def test_fit_checkpoints_on_miou(fitted):
     ckpt = torch.load(best[0], map_location="cpu", weights_only=False)
     callback = next(v for k, v in ckpt["callbacks"].items() if "monitor" in v)
     assert callback["monitor"] == "val/miou"
-    # image / prediction / ground-truth overlays went to the (offline) wandb run
+    # image / prediction / ground-truth overlays and the per-class IoU table went to the (offline) wandb run
     assert len(list(run_dir.glob("wandb/*/files/media/images/mask/val/overlays_*.mask.png"))) >= 2
+    tables = list(run_dir.glob("wandb/*/files/media/table/val/per_class_*.table.json"))  # latest-run links the run
+    assert len({p.name for p in tables}) == 1, tables  # one validation, one table
+    table = json.loads(tables[0].read_text())
+    assert table["columns"] == ["class", "iou"] and [row[0] for row in table["data"]] == (
+        root / "class_names.txt").read_text().split()
 
 
 def test_test_writes_masks_and_metrics(fitted):

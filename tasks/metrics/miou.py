@@ -50,8 +50,8 @@ def confusion_counts(preds: torch.Tensor, target: torch.Tensor, num_classes: int
     pixels whose truth is ``ignore_index`` left out.
 
     Every pixel adds one to a fixed-size counter, so no step depends on the data's values for its
-    output size (no host read on a GPU) and CUDA's deterministic mode has a kernel for it (it has none
-    for ``bincount``).
+    output size (no host read on a GPU), and under ``torch.use_deterministic_algorithms`` CUDA runs
+    ``index_add`` deterministically where ``bincount`` raises (both in that function's documented lists).
     """
     k = num_classes
     target = target.long()
