@@ -107,12 +107,13 @@ class Backbone(nn.Module):
         feats = self(x)
         return feats[max(feats)].mean(dim=(2, 3))
 
-    def load_pretrained(self, path: str) -> None:
-        """Load a checkpoint (ours, timm or CVNets naming) into this backbone, strictly; see
-        :mod:`backbones.weights`. Backbones take it as their ``pretrained=<path>`` argument."""
+    def load_pretrained(self, pretrained: str) -> None:
+        """Load registered weights (:mod:`backbones.pretrained`) or a checkpoint (ours, timm or CVNets naming)
+        into this backbone, strictly; see :mod:`backbones.weights`. Backbones take it as their ``pretrained``
+        argument."""
         from backbones.weights import load_pretrained
 
-        load_pretrained(self, path)
+        load_pretrained(self, pretrained)
 
     def check_input(self, x: torch.Tensor) -> None:
         """Fail with the expected shape instead of a cryptic conv error deep inside."""

@@ -120,8 +120,9 @@ class MobileViTv2(StagedBackbone):
     that the dict's stride-8 entry (stage 5) hides.
 
     ``forward_pooled(x)``: (B, num_features) global average of the last map, the
-    input of the paper's linear classifier. ``pretrained``: a checkpoint path
-    (ours, timm or CVNets; see ``backbones.weights``), loaded at construction.
+    input of the paper's linear classifier. ``pretrained``: registered weights
+    (``"mobilevitv2_100.cvnets_in1k"``, :mod:`backbones.pretrained`) or a checkpoint path (ours, timm or
+    CVNets; see ``backbones.weights``), loaded at construction.
 
     Regularisation (all off by default, as the paper's recipe): ``drop_path_rate``
     stochastic depth on the transformer layers' residual branches, rising linearly

@@ -133,7 +133,7 @@ class SingleScaleBackbone(Backbone):
         pyramid_norm: str,
         pretrained: str | None,
     ) -> None:
-        """Attach the pyramid (if any), then load ``pretrained`` (a checkpoint path: ours, timm's) if given."""
+        """Attach the pyramid (if any), then load ``pretrained`` (registered weights or a checkpoint path: ours, timm's) if given."""
         self.feature_stride = stride
         if pyramid_strides is None:
             self.pyramid = None

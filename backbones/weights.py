@@ -6,8 +6,10 @@ Everything is converted to one *canonical* naming first::
 
 ``convert_checkpoint(path, backbone)`` returns that dict (the classification task
 takes its classifier from it with :func:`classifier_state`);
-``load_pretrained(backbone, path)`` loads its backbone part, refusing with the
-lists of missing / unexpected / misshaped keys when it does not fit.
+``load_pretrained(backbone, pretrained)`` loads its backbone part, refusing with the
+lists of missing / unexpected / misshaped keys when it does not fit. ``pretrained`` is a
+checkpoint path or the name of registered weights (:mod:`backbones.pretrained`, which also
+states the input each set of weights was trained on).
 
 Foreign formats are recognised per backbone by registered converters: the file
 that defines a backbone family registers its key mappings, e.g. ``backbones/vit.py``::
@@ -29,6 +31,7 @@ from typing import Callable, Mapping
 import torch
 import torch.nn as nn
 
+from backbones.pretrained import PretrainedWeights, Preprocessing, find_weights, preprocessing_in, weights_file
 from backbones.registry import BACKBONES
 from layers.registry import Registry
 
@@ -78,34 +81,53 @@ def backbone_name(backbone: nn.Module) -> str:
     raise KeyError(f"{type(backbone).__name__} is not a registered backbone; valid names: {valid}")
 
 
-def read_state_dict(path: str | Path) -> StateDict:
-    """Tensors of a checkpoint file, unwrapping Lightning (``state_dict``), trainer
-    (``model``/``state_dict_ema``-less ``state_dict``) and DDP (``module.``) wrappers."""
+def read_checkpoint(path: str | Path, mmap: bool = False) -> Mapping:
+    """The object a checkpoint file holds, read with ``torch.load(weights_only=True)``; ``mmap`` maps the
+    tensors instead of reading them (for a look at the keys or the stored input specification)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"checkpoint not found: {path}. Nothing is downloaded at run time. A paper recipe names the checkpoint "
+            f"checkpoint not found: {path}. Nothing is downloaded at run time. A paper recipe names the weights "
             "it starts from (model.weights for a whole classifier, model.backbone.init_args.pretrained for a "
-            "backbone): make it by training the recipe its header names (the EMA checkpoint it writes, "
-            "runs/<task>/checkpoints/best-*.ckpt), or download a released CVNets (.pt) or timm checkpoint of the "
-            "same architecture yourself (both are converted on load); then put it at that path or pass the "
-            "option with its path, or null to start from random weights.")
+            "backbone), registered in backbones/pretrained.py with where to get them: download the released "
+            "CVNets (.pt) or timm checkpoint (both are converted on load), or make it by training the recipe its "
+            "header names (the EMA checkpoint it writes, runs/<task>/checkpoints/best-*.ckpt); then put it at "
+            "that path or pass the option with its path, or null to start from random weights.")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except RuntimeError as err:
+        if mmap and "mmap" in str(err):  # a file in torch's legacy (non-zip) format cannot be mapped
+            return read_checkpoint(path)
+        raise _unreadable(path, err) from err
     except Exception as err:  # weights_only refuses pickled objects other than tensors/containers
-        raise ValueError(
-            f"cannot read {path} with torch.load(weights_only=True): {err}. "
-            "Save a plain state dict (torch.save(model.state_dict(), path)) and load that."
-        ) from err
+        raise _unreadable(path, err) from err
+
+
+def _unreadable(path: Path, err: Exception) -> ValueError:
+    return ValueError(f"cannot read {path} with torch.load(weights_only=True): {err}. "
+                      "Save a plain state dict (torch.save(model.state_dict(), path)) and load that.")
+
+
+def state_dict_in(obj: Mapping) -> StateDict:
+    """The tensors of a loaded checkpoint, unwrapping Lightning (``state_dict``), trainer (``model``)
+    and DDP (``module.``) wrappers; ``{}`` when it holds no state dict."""
     for wrapper in ("state_dict", "model"):
         if isinstance(obj, Mapping) and isinstance(obj.get(wrapper), Mapping):
             obj = obj[wrapper]
             break
     if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"{path} holds no state dict (a mapping of names to tensors)")
+        return {}
     if all(k.startswith("module.") for k in obj):
         obj = {k[len("module.") :]: v for k, v in obj.items()}
     return dict(obj)
+
+
+def read_state_dict(path: str | Path) -> StateDict:
+    """Tensors of a checkpoint file (:func:`read_checkpoint`, :func:`state_dict_in`)."""
+    state_dict = state_dict_in(read_checkpoint(path))
+    if not state_dict:
+        raise ValueError(f"{path} holds no state dict (a mapping of names to tensors)")
+    return state_dict
 
 
 def convert_state_dict(state_dict: Mapping[str, torch.Tensor], backbone: nn.Module) -> StateDict:
@@ -169,22 +191,52 @@ def check_fit(state_dict: Mapping[str, torch.Tensor], module: nn.Module, source:
         )
 
 
-def load_pretrained(backbone: nn.Module, path: str | Path) -> StateDict:
-    """Load the backbone weights of checkpoint ``path`` into ``backbone`` (strictly).
+def load_pretrained(backbone: nn.Module, pretrained: str | Path) -> StateDict:
+    """Load the weights ``pretrained`` names (an entry of :mod:`backbones.pretrained`, read from its
+    ``file``, or a checkpoint path) into ``backbone``, strictly.
 
     Returns the canonical head entries of the checkpoint (``head.*``, possibly
     empty), which the backbone itself ignores.
     """
-    canonical = convert_checkpoint(path, backbone)
+    entry = find_weights(str(pretrained))
+    path = weights_file(str(pretrained))
+    source = f"{entry.name} ({path})" if entry is not None else str(path)
+    if entry is not None:
+        check_family(entry, backbone)
+    checkpoint = read_checkpoint(path)
+    state_dict = state_dict_in(checkpoint)
+    if not state_dict:
+        raise ValueError(f"{source} holds no state dict (a mapping of names to tensors)")
+    if entry is not None:
+        check_preprocessing(entry, preprocessing_in(checkpoint), source)
+    canonical = convert_state_dict(state_dict, backbone)
     weights = {k[len("backbone.") :]: v for k, v in canonical.items() if k.startswith("backbone.")}
     # a backbone may fit tensors to its own shapes where that is well defined before the strict
     # check (ViT resamples position embeddings made for another resolution)
     adapt = getattr(backbone, "adapt_checkpoint", None)
     if adapt is not None:
         weights = adapt(weights)
-    check_fit(weights, backbone, str(path))
+    check_fit(weights, backbone, source if entry is None else f"{source}, for {entry.backbone} {dict(entry.arguments)},")
     backbone.load_state_dict(weights, strict=False)  # strict apart from OPTIONAL_SUFFIXES, checked above
     return {k: v for k, v in canonical.items() if k.startswith("head.")}
+
+
+def check_family(entry: PretrainedWeights, backbone: nn.Module) -> None:
+    name = backbone_name(backbone)
+    if entry.backbone != name:
+        raise ValueError(f"pretrained={entry.name} are weights of a {entry.backbone} backbone "
+                         f"{dict(entry.arguments)}, not of this {name}")
+
+
+def check_preprocessing(entry: PretrainedWeights, found: Preprocessing | None, source: str) -> None:
+    """The file at the entry's place was trained on the input the entry states, where the file tells (the
+    datamodules normalise as the entry says)."""
+    stated = (entry.preprocessing.mean, entry.preprocessing.std)
+    if found is not None and (found.mean, found.std) != stated:
+        raise ValueError(
+            f"{source} was trained on inputs normalised with mean {list(found.mean)}, std {list(found.std)}, but "
+            f"{entry.name} states mean {list(stated[0])}, std {list(stated[1])}: put the weights of {entry.url} there, "
+            "or pass this file's path as pretrained (its own normalisation is then used)")
 
 
 def classifier_state(canonical: Mapping[str, torch.Tensor], num_classes: int, prefix: str = "head.fc.") -> StateDict:

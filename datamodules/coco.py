@@ -52,7 +52,8 @@ from datamodules.detection_common import (DetectionDataModule, ImageFiles,  # no
                                           check_augmentation, check_image_size, check_on_bad_image, collate_detection,
                                           collate_images, detection_item, eval_transform, has_area_inside,
                                           ssd_train_transform, stack_detection, stack_images)
-from datamodules.images import IMAGENET_MEAN, IMAGENET_STD, OnBadImage, guarded, read_rgb
+from datamodules.images import OnBadImage, guarded, read_rgb
+from datamodules.input_spec import normalization
 from datamodules.prepared import StringTable, file_signature, prepare
 from layers.machine import AUTO, NumWorkers
 
@@ -388,7 +389,11 @@ class CocoDataModule(DetectionDataModule):
         zoom_out_max: largest zoom-out canvas factor (1 disables zoom-out); ``None``: the pipeline's own
             (4 for ``torchvision_ssd``; ``cvnets`` has none and refuses any other value than 1).
         iou_crop: SSD's IoU-constrained random crop. hflip: flip probability.
-        mean, std: normalisation (0/1 for CVNets checkpoints, which expect unnormalised input).
+        weights: the weights the network starts from, registered (``backbones/pretrained.py``) or a checkpoint
+            file; the CLI links the model's ``weights`` or its backbone's ``pretrained`` here. Its entry, or the
+            input specification the checkpoint stores, gives ``mean`` and ``std``.
+        mean, std: normalisation of [0, 1] pixels; ``None`` takes the weights' (ImageNet's without weights).
+            ``hparams.mean`` / ``hparams.std`` hold the values used.
         on_bad_image: ``"fail"`` stops at an unreadable image file naming it; ``"skip"`` leaves it out of
             its batch and counts it in ``batch["skipped"]``.
         streaming_root: a folder or object-store URL written by ``python -m datamodules.optimize --task
@@ -407,7 +412,8 @@ class CocoDataModule(DetectionDataModule):
                  test_split: str | None = None, predict_path: str | None = None, image_size: int = 320,
                  augmentation: str = "torchvision_ssd", zoom_out_max: float | None = None, iou_crop: bool = True,
                  hflip: float = 0.5,
-                 mean: tuple[float, float, float] = IMAGENET_MEAN, std: tuple[float, float, float] = IMAGENET_STD,
+                 weights: str | None = None, mean: tuple[float, float, float] | None = None,
+                 std: tuple[float, float, float] | None = None,
                  batch_size: int = 32, eval_batch_size: int | None = None, num_workers: NumWorkers = AUTO,
                  pin_memory: bool = True, persistent_workers: bool = True, on_bad_image: OnBadImage = "fail",
                  streaming_root: str | None = None, prepared_dir: str | None = None):
@@ -415,6 +421,7 @@ class CocoDataModule(DetectionDataModule):
         check_on_bad_image(on_bad_image)
         check_augmentation(augmentation, zoom_out_max)
         self.save_hyperparameters()
+        self.hparams.mean, self.hparams.std = normalization(weights, mean, std)
         self._root = Path(root).expanduser() if root else None
         self._categories: list[dict] | None = None
         self._categories_file: Path | None = None

@@ -28,8 +28,6 @@ from torchvision.transforms import v2
 from datamodules.demo import demo_root
 from datamodules.images import (
     IMAGE_EXTENSIONS,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     OnBadImage,
     SkippedFiles,
     collate_skipping,
@@ -40,7 +38,7 @@ from datamodules.images import (
     read_rgb,
 )
 from datamodules.classification_transforms import MixCollate, train_transform
-from datamodules.input_spec import InputSpec, classification_spec
+from datamodules.input_spec import InputSpec, classification_spec, normalization
 from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
 from datamodules.prepared import StringTable, folder_signature, prepare
 from layers.machine import AUTO, NumWorkers
@@ -282,7 +280,11 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         scale: RandomResizedCrop area range. hflip: flip probability.
         rand_augment: RandAugment (2 ops, ``rand_augment_magnitude``). random_erasing: probability.
         mixup_alpha, cutmix_alpha: batch mixing (0 disables); targets become soft labels.
-        mean, std: normalisation (MobileViT/CVNets checkpoints expect 0/1, i.e. none).
+        weights: the weights the network starts from, registered (``backbones/pretrained.py``) or a checkpoint
+            file; the CLI links the model's ``weights`` or its backbone's ``pretrained`` here. Its entry, or the
+            input specification the checkpoint stores, gives ``mean`` and ``std``.
+        mean, std: normalisation of [0, 1] pixels; ``None`` takes the weights' (ImageNet's without weights).
+            ``hparams.mean`` / ``hparams.std`` hold the values used.
         on_bad_image: ``"fail"`` names the unreadable file and stops; ``"skip"`` skips and counts it
             (``batch["skipped"]``).
         predict_path: one image file, or a folder of images for ``predict``: a plain folder or a
@@ -305,8 +307,9 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
                  test_dir: str = "test", image_size: int = 224, eval_resize: int | None = None,
                  scale: tuple[float, float] = (0.08, 1.0), hflip: float = 0.5, rand_augment: bool = False,
                  rand_augment_magnitude: int = 9, random_erasing: float = 0.0, mixup_alpha: float = 0.0,
-                 cutmix_alpha: float = 0.0, mean: tuple[float, float, float] = IMAGENET_MEAN,
-                 std: tuple[float, float, float] = IMAGENET_STD, interpolation: str = "bilinear",
+                 cutmix_alpha: float = 0.0, weights: str | None = None,
+                 mean: tuple[float, float, float] | None = None, std: tuple[float, float, float] | None = None,
+                 interpolation: str = "bilinear",
                  batch_size: int = 128, eval_batch_size: int | None = None, num_workers: NumWorkers = AUTO,
                  pin_memory: bool = True, persistent_workers: bool = True,
                  on_bad_image: Literal["fail", "skip"] = "fail", predict_path: str | None = None,
@@ -315,6 +318,7 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         if on_bad_image not in ("fail", "skip"):
             raise ValueError(f"on_bad_image must be 'fail' or 'skip', got {on_bad_image!r}")
         self.save_hyperparameters()
+        self.hparams.mean, self.hparams.std = normalization(weights, mean, std)
         self._root = Path(root).expanduser() if root else None
         self._classes: list[str] | None = None
         self._streamed = None

@@ -15,9 +15,13 @@ The three evaluation policies of the suite:
   logits are upsampled back to the original size (:func:`datamodules.segmentation_transforms.eval_transform`).
   ``image_size`` is then the training crop, the size FLOPs are counted and graphs exported at.
 
-Pixels are RGB, scaled to [0, 1] and normalised: ``(pixel / 255 - mean) / std``. The spec travels in
-the checkpoint as :meth:`InputSpec.to_dict` (plain values, readable with ``weights_only=True``).
-What sizes a network takes besides its own is the backbone's ``size_multiple``, not the data's.
+Pixels are RGB, scaled to [0, 1] and normalised: ``(pixel / 255 - mean) / std``, with the mean and std of
+the weights the network starts from (:func:`normalization`: a datamodule's ``weights`` argument names them,
+and :mod:`backbones.pretrained` says what input they were trained on); ``mean`` / ``std`` given explicitly
+win. :meth:`InputSpec.of_weights` is the whole evaluation input a set of registered weights was published
+with. The spec travels in the checkpoint as :meth:`InputSpec.to_dict` (plain values, readable with
+``weights_only=True``). What sizes a network takes besides its own is the backbone's ``size_multiple``,
+not the data's.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 import torch
+
+from lightning.pytorch.utilities import rank_zero_warn
 
 from datamodules.images import IMAGENET_MEAN, IMAGENET_STD
 
@@ -80,6 +86,16 @@ class InputSpec:
         return cls("short_side", None if crop_size is None else int(crop_size),
                    None if short_side is None else int(short_side), tuple(mean), tuple(std))
 
+    @classmethod
+    def of_weights(cls, weights: str) -> "InputSpec":
+        """The evaluation input registered ``weights`` were published with (:mod:`backbones.pretrained`): a
+        centre crop of their input size after resizing the short side by their crop ratio, their
+        interpolation, mean and std (timm's ``resolve_data_config``, torchvision's ``Weights.transforms()``)."""
+        from backbones.pretrained import PRETRAINED
+
+        entry = PRETRAINED.get(weights).preprocessing
+        return cls("center_crop", entry.input_size, entry.resize_size, entry.mean, entry.std, entry.interpolation)
+
     # -- in the checkpoint ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain values (lists, numbers, strings): a checkpoint entry that loads with ``weights_only=True``."""
@@ -129,20 +145,52 @@ def input_spec_of(datamodule, fallback=None) -> InputSpec | None:
     return spec
 
 
+def normalization(weights: str | None = None, mean: Sequence[float] | None = None,
+                  std: Sequence[float] | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``(mean, std)`` an image datamodule normalises with: each given value wins; the rest comes from the
+    input ``weights`` were trained on (a name registered in :mod:`backbones.pretrained` or a checkpoint file,
+    :func:`backbones.pretrained.preprocessing_of`), else ImageNet's (no weights, or weights that do not say).
+    A given value the weights contradict is warned about, and so are weights whose input is not known."""
+    given = {"mean": mean, "std": std}
+    trained = None
+    if weights:
+        from backbones.pretrained import preprocessing_of
+
+        trained = preprocessing_of(weights)
+        if trained is None and None in given.values():
+            rank_zero_warn(f"data.weights={weights} does not say which input it was trained on (a state dict without "
+                           "the input specification our checkpoints store): normalising with ImageNet's mean and std. "
+                           "Name registered weights (backbones/pretrained.py) or give data.mean and data.std")
+    default = {"mean": trained.mean if trained else IMAGENET_MEAN, "std": trained.std if trained else IMAGENET_STD}
+    for key, value in given.items():
+        if value is not None and trained is not None and tuple(float(v) for v in value) != default[key]:
+            rank_zero_warn(f"data.{key}={list(value)} differs from the {key} {list(default[key])} that {weights} was "
+                           f"trained with: the network sees inputs unlike its pretraining. Leave data.{key} unset to "
+                           "use the weights' own")
+    return tuple(given["mean"] or default["mean"]), tuple(given["std"] or default["std"])
+
+
+def _normalization(hparams: dict) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """A datamodule's ``mean`` and ``std`` (resolved once, when it was built), else :func:`normalization`'s."""
+    mean, std = hparams.get("mean"), hparams.get("std")
+    if mean is not None and std is not None:
+        return tuple(mean), tuple(std)
+    return normalization(hparams.get("weights"), mean, std)
+
+
 def classification_spec(hparams: dict) -> InputSpec:
     """The spec of an image-folder classification datamodule's arguments (``image_size``, ``eval_resize``,
-    ``mean``, ``std``, ``interpolation``)."""
-    return InputSpec.center_crop(hparams["image_size"], hparams.get("eval_resize"),
-                                 hparams.get("mean", IMAGENET_MEAN), hparams.get("std", IMAGENET_STD),
+    ``weights``, ``mean``, ``std``, ``interpolation``)."""
+    return InputSpec.center_crop(hparams["image_size"], hparams.get("eval_resize"), *_normalization(hparams),
                                  hparams.get("interpolation", "bilinear"))
 
 
 def detection_spec(hparams: dict) -> InputSpec:
-    """The spec of a detection datamodule's arguments (``image_size``, ``mean``, ``std``)."""
-    return InputSpec.square(hparams["image_size"], hparams.get("mean", IMAGENET_MEAN), hparams.get("std", IMAGENET_STD))
+    """The spec of a detection datamodule's arguments (``image_size``, ``weights``, ``mean``, ``std``)."""
+    return InputSpec.square(hparams["image_size"], *_normalization(hparams))
 
 
 def segmentation_spec(hparams: dict) -> InputSpec:
-    """The spec of a segmentation datamodule's arguments (``eval_short_side``, ``crop_size``, ``mean``, ``std``)."""
-    return InputSpec.short_side(hparams.get("eval_short_side"), hparams.get("crop_size"),
-                                hparams.get("mean", IMAGENET_MEAN), hparams.get("std", IMAGENET_STD))
+    """The spec of a segmentation datamodule's arguments (``eval_short_side``, ``crop_size``, ``weights``,
+    ``mean``, ``std``)."""
+    return InputSpec.short_side(hparams.get("eval_short_side"), hparams.get("crop_size"), *_normalization(hparams))

@@ -54,13 +54,8 @@ from PIL import Image
 from torch.utils.data import ConcatDataset, Dataset
 
 from datamodules.demo import demo_root
-from datamodules.images import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    collate_skipping,
-    predict_images,
-)
-from datamodules.input_spec import InputSpec, segmentation_spec
+from datamodules.images import collate_skipping, predict_images
+from datamodules.input_spec import InputSpec, normalization, segmentation_spec
 from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
 from datamodules.segmentation_cvnets import CvnetsTrainTransform
 from datamodules.segmentation_transforms import IGNORE_INDEX, train_transform
@@ -182,7 +177,11 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
             preprocessing: 1000); ``None`` keeps every image.
         eval_short_side: evaluation resizes the image's short side to this (``None``: native size);
             logits are upsampled back and scored at the original size.
-        mean, std: normalisation (MobileViT/CVNets checkpoints expect 0/1, i.e. none).
+        weights: the weights the network starts from, registered (``backbones/pretrained.py``) or a checkpoint
+            file; the CLI links the model's ``weights`` or its backbone's ``pretrained`` here. Its entry, or the
+            input specification the checkpoint stores, gives ``mean`` and ``std``.
+        mean, std: normalisation of [0, 1] pixels; ``None`` takes the weights' (ImageNet's without weights).
+            ``hparams.mean`` / ``hparams.std`` hold the values used.
         batch_size: training batch per device. Evaluation runs one image per step, so every image
             is predicted exactly as it would be alone (metrics do not depend on batching or DDP).
         on_bad_image: ``"fail"`` names an unreadable image (or mask) file and stops; ``"skip"`` skips
@@ -198,8 +197,9 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
     The MobileViTv2 paper's rows (CVNets ``config/segmentation/{pascal_voc,ade20k}/*_mobilevitv2.yaml``)
     train with ``augmentation: cvnets`` and the defaults of ``crop_size`` (512), ``short_side_range``
     ([256, 768]), ``max_image_side`` (1024), ``seg_class_max_ratio`` (0.75), ``hflip`` / ``photometric``
-    (0.5), ``blur`` / ``rotate_p`` (``None``: 0.5 / 1.0) and ``rotate_degrees`` (10), with
-    ``mean: [0, 0, 0]`` and ``std: [1, 1, 1]`` (CVNets feeds pixels / 255). A recipe must set:
+    (0.5), ``blur`` / ``rotate_p`` (``None``: 0.5 / 1.0) and ``rotate_degrees`` (10), from CVNets'
+    ImageNet weights (``weights``: ``mobilevitv2_<width>.cvnets_in1k``, whose entry gives mean 0 and std 1:
+    CVNets feeds pixels / 255). A recipe must set:
 
     - VOC: ``dataset: voc``, ``aug_masks: true`` (train_aug), ``coco_root`` (the COCO 2017 folder), and
       keep ``coco_splits: [train2017]``, ``coco_min_pixels: 1000``; ``batch_size: 32`` per device
@@ -216,8 +216,8 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
                  photometric: float = 0.5, blur: float | None = None, rotate_degrees: float = 10.0,
                  rotate_p: float | None = None, coco_root: str | None = None,
                  coco_splits: tuple[str, ...] = ("train2017",), coco_min_pixels: int | None = 1000,
-                 eval_short_side: int | None = 512, mean: tuple[float, float, float] = IMAGENET_MEAN,
-                 std: tuple[float, float, float] = IMAGENET_STD, batch_size: int = 16, num_workers: NumWorkers = AUTO,
+                 eval_short_side: int | None = 512, weights: str | None = None,
+                 mean: tuple[float, float, float] | None = None, std: tuple[float, float, float] | None = None, batch_size: int = 16, num_workers: NumWorkers = AUTO,
                  pin_memory: bool = True, persistent_workers: bool = True,
                  on_bad_image: Literal["fail", "skip"] = "fail", predict_path: str | None = None,
                  streaming_root: str | None = None):
@@ -238,6 +238,7 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
             raise ValueError("coco_root is read from its folder; it cannot be mixed into a streamed dataset "
                              "(streaming_root)")
         self.save_hyperparameters()
+        self.hparams.mean, self.hparams.std = normalization(weights, mean, std)
         self._root = Path(root).expanduser() if root else None
         self._class_names: list[str] | None = None
         self._streamed = None

@@ -61,7 +61,8 @@ from torch.utils.data import Dataset
 from datamodules.demo import demo_root
 from datamodules.detection_common import (DetectionDataModule, check_augmentation, check_image_size, check_on_bad_image,
                                           detection_item, has_area_inside)
-from datamodules.images import IMAGENET_MEAN, IMAGENET_STD, OnBadImage, guarded, read_rgb
+from datamodules.images import OnBadImage, guarded, read_rgb
+from datamodules.input_spec import normalization
 from layers.machine import AUTO, NumWorkers
 
 #: Pascal VOC's 20 object classes, in the devkit's order (label i = ``VOC_DETECTION_CLASSES[i]``)
@@ -425,7 +426,7 @@ class VocDetectionDataModule(DetectionDataModule):
         test_split: the split ``test`` scores; ``None`` = ``val_split``.
         predict_path: an image or a folder of images (hidden files ignored) for ``predict``; ``None`` =
             the test split's images. When given, ``predict`` does not read ``root`` at all.
-        image_size, augmentation, zoom_out_max, iou_crop, hflip, mean, std, batch_size, eval_batch_size, num_workers,
+        image_size, augmentation, zoom_out_max, iou_crop, hflip, weights, mean, std, batch_size, eval_batch_size, num_workers,
             pin_memory, persistent_workers, on_bad_image: as :class:`datamodules.coco.CocoDataModule`.
         class_names: label i's class name; ``None`` = ``root/class_names.txt`` if present (one name a
             line, a leading ``background`` skipped), else VOC's 20 classes.
@@ -448,7 +449,8 @@ class VocDetectionDataModule(DetectionDataModule):
                  val_split: str | list[str] = "test", test_split: str | list[str] | None = None,
                  predict_path: str | None = None, image_size: int = 320, augmentation: str = "torchvision_ssd",
                  zoom_out_max: float | None = None, iou_crop: bool = True, hflip: float = 0.5,
-                 mean: tuple[float, float, float] = IMAGENET_MEAN, std: tuple[float, float, float] = IMAGENET_STD,
+                 weights: str | None = None, mean: tuple[float, float, float] | None = None,
+                 std: tuple[float, float, float] | None = None,
                  batch_size: int = 32, eval_batch_size: int | None = None, num_workers: NumWorkers = AUTO,
                  pin_memory: bool = True, persistent_workers: bool = True, on_bad_image: OnBadImage = "fail",
                  class_names: list[str] | None = None, use_difficult_in_training: bool = False,
@@ -459,6 +461,7 @@ class VocDetectionDataModule(DetectionDataModule):
         if class_names is not None:
             check_class_names(class_names, "data.class_names")
         self.save_hyperparameters()
+        self.hparams.mean, self.hparams.std = normalization(weights, mean, std)
         self._root = Path(root).expanduser() if root else None
         self._class_names: list[str] | None = None
 

@@ -1,5 +1,6 @@
 """Checkpoint import: timm, CVNets and our own Lightning checkpoints load into our backbones
-and give the reference's outputs; mismatches are refused with the offending keys named."""
+and give the reference's outputs; mismatches are refused with the offending keys named. Registered
+weights (backbones/pretrained.py) load by name from their file and say what input they were trained on."""
 import re
 from collections import OrderedDict
 
@@ -9,12 +10,17 @@ import torch.nn as nn
 
 from backbones.mobilevit import MobileViT
 from backbones.mobilevitv2 import MobileViTv2
+from backbones.pretrained import IMAGENET_MEAN, IMAGENET_STD, PRETRAINED, Preprocessing, preprocessing_of
+from backbones.registry import get_backbone_class
+from backbones.vit import ViT
 from backbones.weights import (
     classifier_state,
     convert_checkpoint,
+    converters_for,
     load_pretrained,
     register_converter,
 )
+from datamodules.input_spec import InputSpec
 
 timm = pytest.importorskip("timm")
 
@@ -109,10 +115,14 @@ def timm_to_cvnets_v2(key: str) -> str:
 DEPTH_V2 = DEPTH_V1 = {2: 2, 3: 4, 4: 3}  # transformer layers per stage; the final norm comes after them
 
 
+def cvnets_state_dict(reference) -> OrderedDict:
+    """timm's MobileViTv2 state dict under CVNets' names, as its model-zoo files hold it."""
+    return OrderedDict((timm_to_cvnets_v2(k), v) for k, v in reference.state_dict().items()
+                       if not k.endswith("num_batches_tracked"))
+
+
 def test_cvnets_checkpoint_loads(tmp_path, v2_reference):
-    cvnets = OrderedDict(
-        (timm_to_cvnets_v2(k), v) for k, v in v2_reference.state_dict().items() if not k.endswith("num_batches_tracked")
-    )
+    cvnets = cvnets_state_dict(v2_reference)
     assert "layer_3.1.global_rep.2.weight" in cvnets and "classifier.1.weight" in cvnets
     path = tmp_path / "mobilevitv2-0.5.pt"
     torch.save(cvnets, path)
@@ -203,3 +213,70 @@ def test_ddp_prefix_and_registered_converters(tmp_path, v2_reference):
     torch.save(state, path)
     ours = MobileViTv2(width=0.5, pretrained=str(path))
     torch.testing.assert_close(ours.stem.conv.weight, state["stem.conv.weight"])
+
+
+# -- registered weights ----------------------------------------------------------------------------------------
+def put_at_entry_file(name: str, state: dict, root) -> str:
+    """Save ``state`` where registered weights ``name`` are read from, under ``root`` (the working directory)."""
+    path = root / PRETRAINED.get(name).file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+    return PRETRAINED.get(name).file
+
+
+def test_registered_cvnets_weights_load_by_name_and_their_file_says_it_is_unnormalised(tmp_path, monkeypatch,
+                                                                                      v2_reference):
+    monkeypatch.chdir(tmp_path)
+    file = put_at_entry_file("mobilevitv2_050.cvnets_in1k", cvnets_state_dict(v2_reference), tmp_path)
+    assert file == "checkpoints/imagenet1k_256/mobilevitv2-0.5.pt"  # the path the recipes named before
+    ours = MobileViTv2(width=0.5, pretrained="mobilevitv2_050.cvnets_in1k").eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.forward_pooled(x), pooled(v2_reference, x), rtol=1e-4, atol=1e-5)
+    # given by its path, the file is known as CVNets' by its keys: CVNets feeds [0, 1] pixels
+    by_path = preprocessing_of(file)
+    assert (by_path.mean, by_path.std) == ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+    # the published evaluation input, as timm's pretrained_cfg for these weights gives it
+    assert InputSpec.of_weights("mobilevitv2_050.cvnets_in1k") == InputSpec(
+        "center_crop", 256, 288, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), "bicubic")
+
+
+def test_registered_timm_weights_load_by_name_and_a_timm_file_alone_does_not_say_its_tag(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    deit = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
+    file = put_at_entry_file("deit_tiny_patch16_224.fb_in1k", deit.state_dict(), tmp_path)
+    ours = ViT(size="tiny", patch_size=16, img_size=224, pretrained="deit_tiny_patch16_224.fb_in1k")
+    torch.testing.assert_close(ours.pos_embed, deit.pos_embed)
+    assert preprocessing_of("deit_tiny_patch16_224.fb_in1k").mean == IMAGENET_MEAN
+    assert preprocessing_of("vit_small_patch16_224.augreg_in21k_ft_in1k").mean == (0.5, 0.5, 0.5)
+    # timm's ViT keys fit DeiT's tags (ImageNet's mean) and AugReg's (0.5) alike: the file alone cannot tell
+    assert preprocessing_of(file) is None
+
+
+def test_registered_weights_are_refused_for_another_family_and_over_a_file_trained_otherwise(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"mobilevitv2_050.cvnets_in1k are weights of a mobilevitv2 backbone "
+                                         r"\{'width': 0.5\}, not of this mobilevit"):
+        MobileViT("xxs", pretrained="mobilevitv2_050.cvnets_in1k")
+    with pytest.raises(ValueError, match=r"names neither registered weights \(closest: mobilevitv2_050.cvnets_in1k"):
+        MobileViTv2(width=0.5, pretrained="mobilevitv2_050.cvnet_in1k")
+    # a checkpoint of ours trained on ImageNet-normalised input, where the CVNets weights belong
+    spec = InputSpec.center_crop(256, 288, IMAGENET_MEAN, IMAGENET_STD, "bicubic").to_dict()
+    state = {f"backbone.{k}": v for k, v in MobileViTv2(width=0.5).state_dict().items()}
+    file = put_at_entry_file("mobilevitv2_050.cvnets_in1k", {"state_dict": state, "input_spec": spec}, tmp_path)
+    with pytest.raises(ValueError, match=r"normalised with mean \[0.485, 0.456, 0.406\].*states mean \[0.0, 0.0, "
+                                         r"0.0\].*pass this file's path as pretrained"):
+        MobileViTv2(width=0.5, pretrained="mobilevitv2_050.cvnets_in1k")
+    MobileViTv2(width=0.5, pretrained=file)  # by its path it loads, and says its own input
+    assert preprocessing_of(file) == Preprocessing(IMAGENET_MEAN, IMAGENET_STD, 256, 288, "bicubic")
+
+
+def test_every_entry_fits_a_registered_backbone_and_converter():
+    import inspect
+
+    for name, entry in PRETRAINED.items():
+        assert name == entry.name.lower() and re.fullmatch(r"[a-z0-9_]+\.[a-z0-9_]+", name), name
+        parameters = inspect.signature(get_backbone_class(entry.backbone)).parameters
+        assert set(entry.arguments) <= set(parameters), (name, set(entry.arguments) - set(parameters))
+        assert entry.converter == "ours" or entry.converter in converters_for(entry.backbone), name
+        assert entry.preprocessing.resize_size >= entry.preprocessing.input_size, name
