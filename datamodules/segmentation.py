@@ -59,7 +59,7 @@ from datamodules.input_spec import InputSpec, normalization, segmentation_spec
 from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
 from datamodules.segmentation_cvnets import CvnetsTrainTransform
 from datamodules.segmentation_transforms import IGNORE_INDEX, train_transform
-# the layouts' readers, shared with datamodules.coco_voc; importable from here as before
+# the layouts' readers, shared with datamodules.coco_voc, and importable from here
 from datamodules.segmentation_layouts import (  # noqa: F401
     ADE20K_NUM_CLASSES,
     ade20k_samples,
