@@ -366,6 +366,7 @@ def test_output_names_keep_the_extension_only_where_stems_clash():
 def test_segmentation_predict_writes_one_mask_per_image(tmp_path):
     from types import SimpleNamespace
 
+    from tasks.outputs.segmentation import PredictMasks
     from tasks.segment import SegmentationTask
 
     folder = tmp_path / "photos"
@@ -377,23 +378,23 @@ def test_segmentation_predict_writes_one_mask_per_image(tmp_path):
     batches = list(dm.predict_dataloader())
     assert [b["name"] for b in batches] == [["photo.jpg"], ["photo.png"], ["portrait"]]
 
-    class Writer:  # the task's writer, with a model that predicts class 1 everywhere
-        predict_dir = tmp_path / "out"
-        trainer = SimpleNamespace(datamodule=dm)
-        _write_mask = SegmentationTask._write_mask
+    class PredictsClass1:  # the task's predict_step, with a model that predicts class 1 everywhere
+        label_dtype = torch.uint8
 
         def __call__(self, images):
             return {"out": torch.stack([torch.zeros_like(images[:, 0]), torch.ones_like(images[:, 0])], dim=1)}
 
+    writer, trainer = PredictMasks(), SimpleNamespace(datamodule=dm, default_root_dir=tmp_path / "run")
     for k, batch in enumerate(batches):
-        SegmentationTask.predict_step(Writer(), batch, k)
-    sizes = {p.name: Image.open(p).size for p in (tmp_path / "out" / "masks").iterdir()}
+        labels = SegmentationTask.predict_step(PredictsClass1(), batch, k)
+        writer.write_on_batch_end(trainer, None, labels, None, batch, k, 0)
+    out = tmp_path / "run" / "predictions" / "predict"
+    sizes = {p.name: Image.open(p).size for p in (out / "masks").iterdir()}
     assert sizes == {"photo.jpg.png": (10, 8), "photo.png.png": (4, 6), "portrait.png": (16, 24)}  # upright
-    assert sorted(p.name for p in (tmp_path / "out" / "overlays").iterdir()) == [
+    assert sorted(p.name for p in (out / "overlays").iterdir()) == [
         "photo.jpg.jpg", "photo.png.jpg", "portrait.jpg"]
 
 
-# -- 8. ADE20k given as VOC, and VOC as ADE20k ----------------------------------------------------------------------
 def test_segmentation_layout_of_the_other_dataset_is_named(tmp_path):
     ade = tmp_path / "ADEChallengeData2016"
     for split in ("training", "validation"):

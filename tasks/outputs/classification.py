@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import Callback
 
 from tasks.engine.analysis import draw_after_metrics, with_caption, write_confusion_matrix_png, write_worst_csv
-from tasks.outputs.common import PredictWriter, TestRows, WorstSamples, predictions_dir, spread_batches, wandb_logger
+from tasks.outputs.common import PredictWriter, TestRows, ValidationSamples, WorstSamples, predictions_dir
 
 
 class PredictionsCsv(TestRows):
@@ -110,31 +110,15 @@ class ClassPredictions(PredictWriter):
                 writer.writerow([path, names[labels[0]], f"{scores[0]:.6f}", top5])
 
 
-class WandbValidationImages(Callback):
-    """``val/samples`` in wandb: ``count`` validation images from batches spread over the split, captioned
-    with their prediction and label. Step outputs: ``{"sample": (image, prediction, target)}``."""
+class WandbValidationImages(ValidationSamples):
+    """``val/samples`` in wandb: validation images from batches spread over the split, captioned with their
+    prediction and label. Step output ``"sample"``: ``(image, prediction, target)``."""
 
-    def __init__(self, count: int):
-        self.count = count
-        self.samples: list = []
-        self.batches: set[int] = set()
-
-    def on_validation_epoch_start(self, trainer, pl_module) -> None:
-        self.samples = []
-        self.batches = spread_batches(trainer, self.count) if wandb_logger(trainer) is not None else set()
-
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        if batch_idx in self.batches and not trainer.sanity_checking and isinstance(outputs, dict):
-            image, pred, target = outputs["sample"]
-            self.samples.append((image, int(pred), int(target)))
-
-    def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        logger, samples, self.samples = wandb_logger(trainer), self.samples, []
-        if logger is None or not samples:
-            return
+    def log_samples(self, logger, samples: list, pl_module) -> None:
         shown = torch.stack([image.float() for image, _, _ in samples])
         lo = shown.amin(dim=(1, 2, 3), keepdim=True)
         hi = shown.amax(dim=(1, 2, 3), keepdim=True)
         shown = ((shown - lo) / (hi - lo).clamp_min(1e-6)).cpu()
         names = pl_module.class_names
-        logger.log_image("val/samples", list(shown), caption=[f"pred {names[p]} / true {names[t]}" for _, p, t in samples])
+        logger.log_image("val/samples", list(shown),
+                         caption=[f"pred {names[int(p)]} / true {names[int(t)]}" for _, p, t in samples])

@@ -148,11 +148,12 @@ class WandbTestTables(Callback):
 
 class PredictWriter(BasePredictionWriter):
     """Base of each task's `predict` output: Lightning hands it every ``predict_step`` result of this rank
-    at the end; it gathers them and writes on rank 0 (:meth:`write`). :meth:`destination` is what the CLI
-    prints as where `predict` wrote."""
+    at the end; it gathers them and writes on rank 0 (:meth:`write`). A writer of per-image files that
+    need no gather (masks) takes ``write_interval="batch"`` and overrides ``write_on_batch_end``, so no
+    batch is kept. :meth:`destination` is what the CLI prints as where `predict` wrote."""
 
-    def __init__(self):
-        super().__init__(write_interval="epoch")
+    def __init__(self, write_interval: str = "epoch"):
+        super().__init__(write_interval=write_interval)
 
     def destination(self, trainer: Trainer) -> str:
         return str(predict_dir(trainer).resolve())
@@ -164,6 +165,33 @@ class PredictWriter(BasePredictionWriter):
             self.write(trainer, predict_dir(trainer), rows, pl_module)
 
     def write(self, trainer: Trainer, folder: Path, rows: list, pl_module: LightningModule) -> None:
+        raise NotImplementedError
+
+
+class ValidationSamples(Callback):
+    """Base of the wandb media of validation: ``count`` samples from batches spread over the split (a
+    validation step's output ``"sample"``), logged by :meth:`log_samples` at the epoch's end. Nothing is collected
+    without a WandbLogger or during the sanity check."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.samples: list = []
+        self.batches: set[int] = set()
+
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.samples = []
+        self.batches = spread_batches(trainer, self.count) if wandb_logger(trainer) is not None else set()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if batch_idx in self.batches and not trainer.sanity_checking and isinstance(outputs, dict):
+            self.samples.append(outputs["sample"])
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        logger, samples, self.samples = wandb_logger(trainer), self.samples, []
+        if logger is not None and samples:
+            self.log_samples(logger, samples, pl_module)
+
+    def log_samples(self, logger, samples: list, pl_module: LightningModule) -> None:
         raise NotImplementedError
 
 

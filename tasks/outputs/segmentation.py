@@ -19,13 +19,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback
-from lightning.pytorch.callbacks import BasePredictionWriter
 from PIL import Image
 
 from datamodules.images import read_rgb_array
 from tasks.engine.analysis import write_worst_csv
 from tasks.metrics.miou import confusion_scores
-from tasks.outputs.common import (PredictWriter, WorstSamples, predict_dir, predictions_dir, spread_batches,
+from tasks.outputs.common import (PredictWriter, ValidationSamples, WorstSamples, predict_dir, predictions_dir,
                                   wandb_logger)
 
 
@@ -111,8 +110,7 @@ class PredictMasks(PredictWriter):
     image its (H, W) labels at the original size."""
 
     def __init__(self):
-        # each batch as it ends rather than PredictWriter's gather at the epoch's end, which keeps every mask
-        BasePredictionWriter.__init__(self, write_interval="batch")
+        super().__init__(write_interval="batch")  # each batch as it ends: no mask is kept
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx,
                            dataloader_idx) -> None:
@@ -127,28 +125,12 @@ class PredictMasks(PredictWriter):
             Image.fromarray(overlay).save(folder / "overlays" / f"{name}.jpg", quality=90)
 
 
-class WandbValidationOverlays(Callback):
-    """``val/overlays`` in wandb: ``count`` validation images from batches spread over the split, each with
-    its predicted and true masks as wandb mask overlays, at the network's input size. Step outputs:
-    ``{"sample": (image, prediction, truth)}``."""
+class WandbValidationOverlays(ValidationSamples):
+    """``val/overlays`` in wandb: validation images from batches spread over the split, each with its
+    predicted and true masks as wandb mask overlays, at the network's input size. Step output ``"sample"``:
+    ``(image, prediction, truth)``."""
 
-    def __init__(self, count: int):
-        self.count = count
-        self.samples: list = []
-        self.batches: set[int] = set()
-
-    def on_validation_epoch_start(self, trainer, pl_module) -> None:
-        self.samples = []
-        self.batches = spread_batches(trainer, self.count) if wandb_logger(trainer) is not None else set()
-
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        if batch_idx in self.batches and not trainer.sanity_checking and isinstance(outputs, dict):
-            self.samples.append(outputs["sample"])
-
-    def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        logger, samples, self.samples = wandb_logger(trainer), self.samples, []
-        if logger is None or not samples:
-            return
+    def log_samples(self, logger, samples: list, pl_module) -> None:
         class_labels = dict(enumerate(pl_module.class_names)) | {pl_module.ignore_index: "ignore"}
         images, masks = [], []
         for image, pred, truth in samples:
