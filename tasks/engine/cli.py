@@ -31,9 +31,11 @@ rebuild it, and only ``--model.*`` arguments given on the command line override 
 A backbone with an ``img_size`` argument (ViT) takes ``--data.image_size``; an explicit
 ``--model.backbone.img_size`` that differs is refused.
 
-Recipe stacking (``base:``) is :mod:`tasks.engine.recipes`; reading checkpoint files and ``last.ckpt`` are
-:mod:`tasks.engine.checkpoints`. Only public LightningCLI hooks are overridden (``parse_arguments``,
-``add_arguments_to_parser``, ``before_instantiate_classes``, ``instantiate_trainer``, ...).
+The command line is split, and its recipes (``base:`` chains, the default recipe) and the checkpoint's
+arguments are merged into one config, by :mod:`tasks.engine.recipes`; LightningCLI reads that config as
+one ``--config``, then the command line's flags, which therefore win. Reading checkpoint files and
+``last.ckpt`` is :mod:`tasks.engine.checkpoints`. Only public LightningCLI hooks are overridden
+(``parse_arguments``, ``add_arguments_to_parser``, ``before_instantiate_classes``, ``instantiate_trainer``, ...).
 
 ``export --ckpt_path X`` writes the checkpoint's model as ONNX (see :mod:`tasks.export.command`); it
 needs no Trainer, so it is answered before LightningCLI parses anything.
@@ -43,10 +45,10 @@ from __future__ import annotations
 import os
 import sys
 import uuid
-from netrc import netrc
-from pathlib import Path
 from contextlib import contextmanager
 from contextvars import ContextVar
+from netrc import netrc
+from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import yaml
