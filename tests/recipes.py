@@ -104,13 +104,28 @@ def training_facts(config: dict) -> dict:
     }
 
 
-def checkpoint_stem(path: str | None) -> str | None:
-    """``checkpoints/imagenet1k_256/mobilevitv2-1.0.pt`` -> ``imagenet1k_256/mobilevitv2-1.0``: what a start
-    checkpoint was trained on (its folder) and for which width (its stem)."""
-    if path is None:
+def checkpoint_stem(weights: str | None) -> str | None:
+    """``mobilevitv2_100.cvnets_in1k`` (registered weights, read from ``checkpoints/imagenet1k_256/mobilevitv2-1.0.pt``)
+    or that path -> ``imagenet1k_256/mobilevitv2-1.0``: what a start checkpoint was trained on (its folder) and for
+    which width (its stem)."""
+    if weights is None:
         return None
-    folder, name = path.rsplit("/", 2)[-2:]
+    from backbones.pretrained import weights_file
+
+    folder, name = weights_file(weights).as_posix().rsplit("/", 2)[-2:]
     return f"{folder}/{name.rsplit('.', 1)[0]}"
+
+
+def normalisation(config: dict) -> tuple[list[float], list[float]]:
+    """The mean and std a resolved recipe's datamodule normalises with: ``data.mean`` / ``data.std`` where given,
+    else those of the weights the model starts from (``model.weights``, else the backbone's ``pretrained``: what
+    the CLI gives the datamodule as its ``weights``)."""
+    from datamodules.input_spec import normalization
+
+    weights = (value(config, "data.weights", None) or value(config, "model.weights", None)
+               or value(config, "model.backbone.pretrained", None))
+    mean, std = normalization(weights, value(config, "data.mean", None), value(config, "data.std", None))
+    return list(mean), list(std)
 
 
 def assert_fact(recipe: str, fact: str, got, expected, source: str) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import run_task
-from tests.recipes import REPO, assert_fact, checkpoint_stem, resolve, training_facts, value
+from tests.recipes import REPO, assert_fact, checkpoint_stem, normalisation, resolve, training_facts, value
 
 IN1K = "CVNets config/classification/imagenet/mobilevit_v2.yaml"
 FT384 = "CVNets config/classification/finetune_higher_res_in1k/mobilevit_v2.yaml"
@@ -152,7 +152,7 @@ def facts(config: dict) -> dict:
         **{key: value(config, f"data.{key}") for key in (
             "image_size", "eval_resize", "interpolation", "hflip", "rand_augment", "random_erasing",
             "mixup_alpha", "cutmix_alpha")},
-        "normalisation": (value(config, "data.mean"), value(config, "data.std")),
+        "normalisation": normalisation(config),
         "starts_from": checkpoint_stem(value(config, "model.weights")),
     }
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.recipes import REPO, assert_fact, checkpoint_stem, resolve, training_facts, value
+from tests.recipes import REPO, assert_fact, checkpoint_stem, normalisation, resolve, training_facts, value
 
 CVNETS = "CVNets config/segmentation/{dataset}/{head}_mobilevitv2.yaml"
 TRANSFORMS = "CVNets data/transforms/image_pil.py"
@@ -107,7 +107,7 @@ def facts(config: dict) -> dict:
         **{key: value(config, f"data.{key}") for key in (
             "augmentation", "crop_size", "short_side_range", "max_image_side", "seg_class_max_ratio", "hflip",
             "photometric", "blur", "rotate_degrees", "rotate_p", "dataset", "aug_masks", "coco_min_pixels")},
-        "normalisation": (value(config, "data.mean"), value(config, "data.std")),
+        "normalisation": normalisation(config),
         "coco": value(config, "data.coco_root") is not None,
     }
 
