@@ -24,7 +24,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 import tasks  # noqa: E402
-from tasks.engine.recipes import split_command_line  # noqa: E402
+from configs.recipes import split_command_line  # noqa: E402
 
 
 class CurveRecorder(Callback):

@@ -40,7 +40,7 @@ from backbones.convmixer import ConvMixer  # noqa: E402
 from datamodules.segmentation import IGNORE_INDEX, SegmentationDataModule  # noqa: E402
 from heads.deeplabv3 import DeepLabV3  # noqa: E402
 from heads.pspnet import PSPNet  # noqa: E402
-from tasks.engine.recipes import recipe_path  # noqa: E402
+from configs.recipes import recipe_path  # noqa: E402
 from tasks.engine.optim import WarmupCosineLR  # noqa: E402
 from tasks.segment import SegmentationMetric, SegmentationTask  # noqa: E402
 

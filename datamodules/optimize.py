@@ -33,6 +33,7 @@ from typing import Sequence
 
 import yaml
 
+from configs.recipes import class_arguments, merge, resolve_recipes, split_command_line
 from datamodules.streaming import LAYOUT_VERSION, join, read_manifest, split_folder, split_key, write_manifest, \
     write_split
 
@@ -48,8 +49,6 @@ def data_settings(argv: Sequence[str]) -> tuple[str | None, dict]:
     """``(class path or None, arguments)`` of the datamodule that the recipes (``--config``, resolved as the
     task's CLI resolves them, without its default recipe) and the ``--data`` / ``--data.<name> <value>``
     flags (YAML values) describe."""
-    from tasks.engine.recipes import class_arguments, merge, resolve_recipes, split_command_line
-
     command = split_command_line(argv)
     data = resolve_recipes(command, default=None).get("data") or {}
     for flag in command.flags:

@@ -513,19 +513,3 @@ def test_cli_installs_atomic_checkpoints_preemption_and_the_resume_guard_and_loc
     holder.acquire()
     with pytest.raises(RunInUse, match=rf"run is in use by another fit: pid {os.getppid()} on host"):
         cli.before_fit()
-
-
-def test_flag_before_a_recipe_that_sets_it_is_refused():
-    from tasks.engine.recipes import recipe_path, with_default_config
-
-    demo = recipe_path("classify", "demo_mobilevitv2.yaml")
-    with pytest.raises(ValueError, match=r"--data.batch_size comes before --config .*demo_mobilevitv2.yaml, which "
-                                         r"sets data.batch_size too .*Put the flag after the --config"):
-        with_default_config(["fit", "--data.batch_size", "8", "--config", str(demo)], demo)
-    # the default recipe is inserted under a first --config overlay: a flag before it would lose to that too
-    overlay = REPO / "configs/classify/demo_mobilevitv2.yaml"
-    with pytest.raises(ValueError, match=r"--model.optimizer.init_args.lr comes before"):
-        with_default_config(["fit", "--model.optimizer.init_args.lr", "0.1", "--config", str(overlay)], demo)
-    # flags after the recipe, or ones no recipe sets, keep working
-    with_default_config(["fit", "--config", str(demo), "--data.batch_size", "8"], demo)
-    with_default_config(["fit", "--trainer.default_root_dir", "x", "--config", str(demo)], demo)

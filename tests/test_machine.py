@@ -116,7 +116,7 @@ def test_each_task_cli_applies_the_plan_to_its_loaders_and_says_so(task, tmp_pat
 def main_without_running(main, args, monkeypatch):
     """The SuiteCLI that a task's ``main(args)`` builds, instantiated but not run."""
     from tasks.engine import cli as cli_module
-    from tasks.engine.recipes import recipe_path
+    from configs.recipes import recipe_path
 
     built = []
 

@@ -4,7 +4,7 @@ stacks on the task's default recipe, layers merge as jsonargparse merges config 
 import pytest
 import yaml
 
-from tasks.engine.recipes import merge, recipe_layers, recipe_path, resolve_recipes, split_command_line
+from configs.recipes import merge, recipe_layers, recipe_path, resolve_recipes, split_command_line
 from tests.conftest import REPO
 
 

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from datamodules.segmentation import IGNORE_INDEX, read_mask, write_voc_demo
-from tasks.engine.recipes import recipe_path
+from configs.recipes import recipe_path
 from tests.conftest import run_task
 
 REPO = Path(__file__).resolve().parents[1]

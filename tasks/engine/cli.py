@@ -32,7 +32,7 @@ A backbone with an ``img_size`` argument (ViT) takes ``--data.image_size``; an e
 ``--model.backbone.img_size`` that differs is refused.
 
 The command line is split, and its recipes (``base:`` chains, the default recipe) and the checkpoint's
-arguments are merged into one config, by :mod:`tasks.engine.recipes`; LightningCLI reads that config as
+arguments are merged into one config, by :mod:`configs.recipes`; LightningCLI reads that config as
 one ``--config``, then the command line's flags, which therefore win. Reading checkpoint files and
 ``last.ckpt`` is :mod:`tasks.engine.checkpoints`. Only public LightningCLI hooks are overridden
 (``parse_arguments``, ``add_arguments_to_parser``, ``before_instantiate_classes``, ``instantiate_trainer``, ...).
@@ -66,9 +66,9 @@ from tasks.engine.checkpoints import LAST_NAME, LatestCheckpoint, check_checkpoi
 from tasks.engine.determinism import check_deterministic
 from tasks.engine.preemption import Preemption, resume_command
 from tasks.engine.progress import LineProgress, stdout_is_terminal
-from tasks.engine.recipes import (EXPORT, CommandLine, merge, recipe_keys, recipe_path, resolve_recipes,
+from configs.recipes import (EXPORT, CommandLine, merge, recipe_keys, recipe_path, resolve_recipes,
                                   split_command_line)
-from tasks.engine.resume import ResumeGuard, RunLock, make_run_root, parse_allowed, resume_settings
+from tasks.engine.resume import ResumeGuard, RunLock, make_run_root, parse_allowed, plain, resume_settings
 from tasks.engine.runtime import ThreadsFollowLoad, reuse_freed_memory
 
 EVALUATION = ("validate", "test", "predict")
@@ -165,7 +165,7 @@ class SuiteCLI(LightningCLI):
         )
 
     def parse_arguments(self, parser, args) -> None:
-        # `args` is the subcommand, the one resolved config and the flags (tasks.engine.recipes), built from
+        # `args` is the subcommand, the one resolved config and the flags (configs.recipes), built from
         # the command line: the one source of arguments, so LightningCLI's warning about sys.argv holding
         # arguments too does not apply. DDP's launcher restarts the script with sys.argv, which resolves to
         # the same arguments there.
@@ -239,6 +239,18 @@ class SuiteCLI(LightningCLI):
             config.ckpt_path = str(last)  # this run root's, whatever callbacks the recipe lists
         if self.checkpoint is None:
             self._link_image_size(config)
+        self._link_weights(config)
+
+    def _link_weights(self, config) -> None:
+        """An image datamodule's ``weights`` (whose entry gives its mean and std, ``backbones/pretrained.py``)
+        are the model's: ``model.weights``, else the backbone's ``pretrained``. A ``--data.weights`` given
+        explicitly is kept (jsonargparse's ``link_arguments`` would drop it)."""
+        data_args = getattr(config.get("data"), "init_args", None)
+        model = config.get("model")
+        if data_args is None or "weights" not in data_args or data_args.weights is not None or model is None:
+            return
+        backbone_args = getattr(model.get("backbone"), "init_args", None)
+        data_args.weights = model.get("weights") or (backbone_args.get("pretrained") if backbone_args else None)
 
     def _link_image_size(self, config) -> None:
         """A backbone with an ``img_size`` argument (ViT) gets the data's ``image_size``: one value, not
@@ -401,15 +413,6 @@ def _as_list(value) -> list:
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _plain(value):
-    """Saved arguments as YAML can write them (tuples as lists)."""
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    return value
-
-
 def _pair(size) -> tuple:
     return tuple(size) if isinstance(size, (list, tuple)) else (size, size)
 
@@ -435,7 +438,7 @@ def checkpoint_arguments(checkpoint: dict) -> dict:
     hparams = dict(checkpoint.get("hyper_parameters", {}))
     hparams.pop("_instantiator", None)
     hparams.pop("_class_path", None)
-    return _plain(hparams)
+    return plain(hparams)
 
 
 def _path_or_none(value: str | None) -> str | None:

@@ -9,7 +9,7 @@
 The run goes through the task's ``main`` with the command line the arguments spell
 (``<subcommand> [--config <config>] --<key>=<value> ...``), so the recipes merge, the checkpoint
 supplies the model and the callbacks are installed exactly as on the command line
-(:mod:`tasks.engine.cli`, :mod:`tasks.engine.recipes`). Under a multi-process strategy Lightning
+(:mod:`tasks.engine.cli`, :mod:`configs.recipes`). Under a multi-process strategy Lightning
 starts the other ranks by running this process's script again, as for any Lightning script.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from tasks.engine.recipes import SUBCOMMANDS
+from configs.recipes import SUBCOMMANDS
 
 
 def run(task: str, config: dict | str | Path | None = None, subcommand: str = "fit", **overrides: Any) -> dict:

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import yaml
 
 from datamodules.input_spec import InputSpec
-from tasks.engine.recipes import CommandLine, split_command_line
+from configs.recipes import CommandLine, split_command_line
 from tasks.export.onnx import (DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, ExportReport, ExportRequest, check_opset,
                                require_export_extra)
 
@@ -95,7 +95,7 @@ def export_spec(model, overrides: dict[str, Any]) -> InputSpec | None:
 
 def run_export(argv: CommandLine | Sequence[str], model_class: type, prog: str = "export") -> ExportReport:
     """``export`` for ``model_class``'s task: read the command line (``argv``: the arguments after ``export``, or
-    the whole command line split by :func:`tasks.engine.recipes.split_command_line`), export, check, print."""
+    the whole command line split by :func:`configs.recipes.split_command_line`), export, check, print."""
     from tasks.engine.base import qualified_name
     from tasks.engine.checkpoints import check_checkpoint_file
 
