@@ -223,6 +223,10 @@ class SuiteCLI(LightningCLI):
             trainer.sync_batchnorm = False  # nothing trains: BatchNorm uses its running statistics
         if self.subcommand and config.get("weights_only") is None:
             config.weights_only = True  # our checkpoints hold tensors and plain values: never unpickle code
+        if self.subcommand == "predict" and config.get("return_predictions") is None:
+            # the output callbacks write the predictions (an epoch writer still receives them all): the
+            # loop need not keep every batch's (segmentation: every mask) until the end for a return value
+            config.return_predictions = False
         if self.subcommand in (None, "fit"):
             self.resume_guard = ResumeGuard(resume_settings(config), parse_allowed(config.get("allow_changed")))
         resume_last = self.subcommand == "fit" and config.get("ckpt_path") == "last"
