@@ -34,7 +34,8 @@ class NaNOutputAtStep(Callback):
         if isinstance(output, dict):
             return {k: NaNOutputAtStep._poison(v) for k, v in output.items()}
         if isinstance(output, (tuple, list)):
-            return type(output)(NaNOutputAtStep._poison(v) for v in output)
+            poisoned = [NaNOutputAtStep._poison(v) for v in output]
+            return type(output)(*poisoned) if hasattr(output, "_fields") else type(output)(poisoned)  # a NamedTuple
         return output
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

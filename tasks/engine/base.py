@@ -4,13 +4,9 @@ data-identity checks, RNG states for exact resume, and where `test`/`predict` wr
 from __future__ import annotations
 
 import math
-import random
-import sys
 import warnings
-from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.nn as nn
 from lightning.pytorch import LightningModule
@@ -22,70 +18,16 @@ from layers.compat import skip_update_on_device, supports_device_skip
 from layers.compile import compile_mode, compile_networks, cpu_compile_notice
 from tasks.engine.compile_report import CompileReport
 from tasks.engine.analysis import model_cost, move_to
+from tasks.engine.checkpoints import qualified_name, rng_states, set_rng_states
+from tasks.engine.nonfinite import LossVerdict
 from tasks.engine.optim import param_groups
 from tasks.engine.resume import plain
-
-
-def rng_states() -> dict[str, Any]:
-    """Global RNG states of torch (CPU and CUDA), numpy and Python as tensors and plain
-    values, so a checkpoint holding them still loads with ``weights_only=True``."""
-    state, keys, pos, has_gauss, cached = np.random.get_state()
-    version, internal, gauss = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": [state, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-        "python": [version, list(internal), gauss],
-    }
-
-
-def set_rng_states(states: dict[str, Any]) -> None:
-    torch.set_rng_state(states["torch"])
-    if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-    state, keys, pos, has_gauss, cached = states["numpy"]
-    np.random.set_state((state, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))
 
 
 def zero_loss(module: nn.Module) -> torch.Tensor:
     """A zero loss that reaches every trainable parameter of ``module`` (DDP's gradient all-reduce
     waits for all of them)."""
     return sum(p.sum() for p in module.parameters() if p.requires_grad) * 0.0
-
-
-@dataclass
-class LossVerdict:
-    """One training batch's loss verdict on its way to the host: ``values`` holds (finite, usable,
-    loss); from a GPU it is a pinned copy made without waiting, readable once the event ``copied``
-    (recorded right after the loss, ahead of the backward) has passed."""
-
-    step: int
-    epoch: int
-    batch: int
-    values: torch.Tensor
-    copied: Any = None
-
-    @classmethod
-    def copy(cls, step: int, epoch: int, batch: int, values: torch.Tensor) -> "LossVerdict":
-        if values.device.type != "cuda":  # on the host already (other accelerators: a plain copy)
-            return cls(step, epoch, batch, values.cpu())
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return cls(step, epoch, batch, host, copied)
-
-    def ready(self) -> bool:
-        return self.copied is None or self.copied.query()
-
-    def read(self) -> tuple[bool, bool, float]:
-        """(finite on every rank, usable on every rank, this rank's loss); waits for the copy only."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        finite, usable, loss = self.values.tolist()
-        return finite > 0, usable > 0, loss
 
 
 class SharedFactory:
@@ -501,15 +443,6 @@ class TaskModule(LightningModule):
         from tasks.outputs.common import gather
 
         return gather(self.trainer, items)
-
-def qualified_name(cls: type) -> str:
-    """``tasks.detect.DetectionTask``, also when the module runs as ``python -m tasks.detect``."""
-    module = cls.__module__
-    if module == "__main__":
-        spec = getattr(sys.modules["__main__"], "__spec__", None)
-        module = spec.name if spec is not None else module
-    return f"{module}.{cls.__qualname__}"
-
 
 def _short(value, limit: int = 6) -> str:
     if isinstance(value, (list, tuple)):

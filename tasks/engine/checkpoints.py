@@ -3,18 +3,25 @@
 - :func:`read_checkpoint` / :func:`check_checkpoint_file` load a ``.ckpt`` weights-only, or refuse
   a missing, truncated, foreign or other task's file naming it, before Lightning fails without
   the path.
+- :func:`rng_states` / :func:`set_rng_states`: the global RNG states every checkpoint carries, so a
+  resumed run replays dropout and augmentation draws exactly; :func:`qualified_name` names the task class.
 - :class:`LatestCheckpoint` writes ``last.ckpt`` on its own schedule, beside the ModelCheckpoint
   that keeps the best checkpoints on the task's metric (see :mod:`tasks.engine.cli`), and refuses a fit
   that would overwrite the ``last.ckpt`` of an earlier fit in its run root without resuming it.
 """
 from __future__ import annotations
 
+import random
+import sys
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
 
-from tasks.engine.base import qualified_name
 
 #: the latest state of a fit, in the run root's checkpoint directory (``--ckpt_path last``)
 LAST_NAME = "last.ckpt"
@@ -164,3 +171,35 @@ def validation_or_epoch_end_follows(trainer: Trainer, batch_idx: int) -> bool:
         return True
     every = trainer.val_check_batch
     return isinstance(every, int) and every > 0 and (batch_idx + 1) % every == 0 and any(n > 0 for n in trainer.num_val_batches)
+
+
+def rng_states() -> dict[str, Any]:
+    """Global RNG states of torch (CPU and CUDA), numpy and Python as tensors and plain
+    values, so a checkpoint holding them still loads with ``weights_only=True``."""
+    state, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [state, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "python": [version, list(internal), gauss],
+    }
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    state, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((state, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def qualified_name(cls: type) -> str:
+    """``tasks.detect.DetectionTask``, also when the module runs as ``python -m tasks.detect``."""
+    module = cls.__module__
+    if module == "__main__":
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        module = spec.name if spec is not None else module
+    return f"{module}.{cls.__qualname__}"

@@ -96,7 +96,7 @@ def export_spec(model, overrides: dict[str, Any]) -> InputSpec | None:
 def run_export(argv: CommandLine | Sequence[str], model_class: type, prog: str = "export") -> ExportReport:
     """``export`` for ``model_class``'s task: read the command line (``argv``: the arguments after ``export``, or
     the whole command line split by :func:`configs.recipes.split_command_line`), export, check, print."""
-    from tasks.engine.base import qualified_name
+    from tasks.engine.checkpoints import qualified_name
     from tasks.engine.checkpoints import check_checkpoint_file
 
     exporter = exporter_of(model_class)
