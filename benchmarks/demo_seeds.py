@@ -69,7 +69,7 @@ def main() -> None:
     test_key = val_key.replace("val/", "test/", 1)
     scores = {val_key: spread([r["val"] for r in runs]), test_key: spread([r["test"][test_key] for r in runs])}
     print(f"\n{args.task} demo, seeds {' '.join(map(str, args.seeds))}:")
-    print("\n| seed | fit s | " + val_key + " (last validation) | " + test_key + " (last.ckpt) |\n| --- | --- | --- | --- |")
+    print(f"\n| seed | fit s | {val_key} (last validation) | {test_key} (last.ckpt) |\n| --- | --- | --- | --- |")
     for r in runs:
         print(f"| {r['seed']} | {r['fit_seconds']:.0f} | {r['val']:.4f} | {r['test'][test_key]:.4f} |")
     print("\n| score | mean | std | min | max |\n| --- | --- | --- | --- | --- |")
