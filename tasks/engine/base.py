@@ -21,6 +21,7 @@ from tasks.engine.analysis import model_cost, move_to
 from tasks.engine.checkpoints import qualified_name, rng_states, set_rng_states
 from tasks.engine.nonfinite import LossVerdict
 from tasks.engine.optim import param_groups
+from tasks.engine.outputs import MetricsJson, PredictWriter, WandbTestTables, gather, predict_dir
 from tasks.engine.resume import plain
 
 
@@ -152,8 +153,6 @@ class TaskModule(LightningModule):
     def configure_callbacks(self) -> list:
         """The compile report (when compiling) and the files `test` and `predict` write: ``metrics.json``,
         the task's :meth:`output_callbacks`, then the wandb tables that read them."""
-        from tasks.outputs.common import MetricsJson, WandbTestTables
-
         compiling = [CompileReport()] if self.compile_mode else []
         return [*compiling, MetricsJson(), *self.output_callbacks(), WandbTestTables()]
 
@@ -424,8 +423,6 @@ class TaskModule(LightningModule):
     @property
     def predict_destination(self) -> str:
         """Where `predict` wrote, as the CLI prints it: its writer's destination."""
-        from tasks.outputs.common import PredictWriter, predict_dir
-
         writer = next((cb for cb in self.trainer.callbacks if isinstance(cb, PredictWriter)), None)
         return writer.destination(self.trainer) if writer is not None else str(predict_dir(self.trainer).resolve())
 
@@ -440,8 +437,6 @@ class TaskModule(LightningModule):
     def all_gather_objects(self, items: list) -> list:
         """Concatenate a per-rank Python list over all ranks (uneven lengths are fine), e.g. the
         hypotheses a corpus metric scores."""
-        from tasks.outputs.common import gather
-
         return gather(self.trainer, items)
 
 def _short(value, limit: int = 6) -> str:

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import Callback
 
 from tasks.engine.analysis import draw_after_metrics, with_caption, write_confusion_matrix_png, write_worst_csv
-from tasks.outputs.common import PredictWriter, TestRows, ValidationSamples, WorstSamples, predictions_dir
+from tasks.engine.outputs import PredictWriter, TestRows, ValidationSamples, WorstSamples, predictions_dir
 
 
 class PredictionsCsv(TestRows):

@@ -24,7 +24,7 @@ from PIL import Image
 from datamodules.images import read_rgb_array
 from tasks.engine.analysis import write_worst_csv
 from tasks.metrics.miou import confusion_scores
-from tasks.outputs.common import (PredictWriter, ValidationSamples, WorstSamples, predict_dir, predictions_dir,
+from tasks.engine.outputs import (PredictWriter, ValidationSamples, WorstSamples, predict_dir, predictions_dir,
                                   wandb_logger)
 
 
