@@ -520,7 +520,7 @@ def main(argv=None) -> None:
     parser.add_argument("--pipelines", nargs="+", choices=list(PIPELINES), default=["imagenet", "coco", "ade20k", "wmt14"])
     parser.add_argument("--workers", nargs="+", type=int, default=[0, 1, 2], help="num_workers values to measure")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
-                        help="before: the pipelines and OpenCV threads before issue 16; after: the current ones")
+                        help="before: the former pipelines with OpenCV's own thread pool in every worker; after: the suite's")
     parser.add_argument("--reading", nargs="+", choices=["folder", "streamed"], default=["folder"],
                         help="folder: image files as the dataset's layout holds them; streamed: LitData chunks "
                              "written once by python -m datamodules.optimize")

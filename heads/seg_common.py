@@ -55,8 +55,8 @@ class SegmentationHead(nn.Module):
       output stride 8 is a stride-8 map that the backbone's ``{stride: map}`` dict hides
       behind stage 5's. Needs ``stage_channels``.
     - ``aux_stride``: the map of the backbone's dict at that stride, for backbones without
-      numbered stages (ViT, ConvMixer, MLP-Mixer through their pyramid); also what
-      checkpoints written before ``aux_stage`` existed use (their ``aux_stride: 16``).
+      numbered stages (ViT, ConvMixer, MLP-Mixer through their pyramid); also what a
+      checkpoint without ``aux_stage`` in its arguments carries (``aux_stride: 16``).
 
     ``aux=True`` needs exactly one of the two; with ``aux=False`` neither is read.
 

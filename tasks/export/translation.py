@@ -274,7 +274,7 @@ class OnnxTranslator:
         ids = dict(bos_id=self.bos_id, eos_id=self.eos_id, pad_id=self.pad_id)
         if beam_size == 1:
             return greedy_search(self.decoder, cross_kv, padding, max_len, **ids)
-        # exports made before the option existed used the only form there was, GNMT's
+        # a graph whose metadata names no length_penalty_form uses GNMT's
         return beam_search(self.decoder, cross_kv, padding, max_len, beam_size=beam_size,
                            alpha=meta["length_penalty"], length_penalty_form=meta.get("length_penalty_form", "gnmt"),
                            **ids)

@@ -18,7 +18,7 @@ refuses it. The sources are recorded as ``averaged_from`` (file name and step of
 
 Checkpoints of different tasks, with different weight names or shapes, or a different tokenizer
 are refused, naming the files. So are checkpoints of two different training runs (each fit
-records a run id that its resumes keep; older checkpoints are told apart by their wandb group)
+records a run id that its resumes keep; checkpoints without a run id are told apart by their wandb group)
 and checkpoints with different hyper-parameters: averaging those is a deliberate choice
 ("model soups" of fine-tunings), made with ``--force``.
 """
