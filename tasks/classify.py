@@ -69,7 +69,7 @@ class ClassificationTask(Predictor, TaskModule):
         self.test_confusion_counts: list[list[int]] | None = None
 
     def output_callbacks(self) -> list:
-        return [outputs.PredictionsCsv(), outputs.PerClassCsv(), outputs.ClassPredictions(),
+        return [outputs.PredictionsCsv(), outputs.PerClassCsv(), outputs.ConfusedPairsCsv(), outputs.ClassPredictions(),
                 outputs.WandbValidationImages(self.num_sample_images),
                 outputs.ConfusionMatrixPng(), outputs.WorstClassifications(self.num_worst_examples)]
 

@@ -172,6 +172,13 @@ def check_per_class_files(predictions: Path) -> None:
         assert float(r["precision"]) == pytest.approx(precision[k], abs=1e-12)
         assert float(r["recall"]) == pytest.approx(recall[k], abs=1e-12)
         assert float(r["f1"]) == pytest.approx(f1[k], abs=1e-12)
+    with open(predictions / "confused_pairs.csv") as f:
+        pairs = list(csv.DictReader(f))
+    mistakes = sorted(((-expected[t, p], t, p) for t in range(len(names)) for p in range(len(names))
+                       if t != p and expected[t, p] > 0))[:20]
+    assert [(r["label"], r["prediction"], int(r["count"])) for r in pairs] == [
+        (names[t], names[p], -c) for c, t, p in mistakes]
+    assert all(float(r["share"]) == pytest.approx(int(r["count"]) / support[index[r["label"]]]) for r in pairs)
 
 
 # -- ViT's image size is the data's: one value -------------------------------------------------------

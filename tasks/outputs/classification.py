@@ -1,8 +1,8 @@
 """What classification's `test` and `predict` write (:class:`tasks.classify.ClassificationTask` computes it).
 
 Under ``predictions/``: ``predictions.csv`` (image, label, prediction, score), ``per_class.csv`` (class,
-precision, recall, f1, support) and ``confusion_matrix.csv`` (rows: true class, columns: predicted class),
-both from the one confusion matrix of the split, its picture ``confusion_matrix.png``, and ``worst/``: the
+precision, recall, f1, support), ``confusion_matrix.csv`` (rows: true class, columns: predicted class) and
+``confused_pairs.csv`` (the most frequent mistakes), all from the one confusion matrix of the split, its picture ``confusion_matrix.png``, and ``worst/``: the
 images whose true class got the lowest probability, captioned, listed in ``worst.csv``. `predict` writes
 ``predictions/predict/predictions.csv`` (image, prediction, score, top-5 classes). Validation images with
 their predictions go to wandb.
@@ -62,6 +62,31 @@ class PerClassCsv(Callback):
                 recall = tp / support if support else 0.0
                 f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
                 writer.writerow([name, repr(precision), repr(recall), repr(f1), support])
+
+
+class ConfusedPairsCsv(Callback):
+    """``predictions/confused_pairs.csv``: the ``max_pairs`` most frequent mistakes of the test split, one row per
+    (true class, predicted class) pair with ``count`` images and ``share`` of the true class's images, most
+    frequent first (ties: by the classes' order), from the same confusion matrix as ``per_class.csv``; pairs
+    that never occur are left out."""
+
+    def __init__(self, max_pairs: int = 20):
+        self.max_pairs = max_pairs
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        confusion = getattr(pl_module, "test_confusion_counts", None)
+        if trainer.global_rank != 0 or confusion is None:
+            return
+        names = pl_module.class_names
+        pairs = sorted(((-count, true, pred) for true, row in enumerate(confusion) for pred, count in enumerate(row)
+                        if true != pred and count > 0))[:self.max_pairs]
+        folder = predictions_dir(trainer)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "confused_pairs.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["label", "prediction", "count", "share"])
+            for negative_count, true, pred in pairs:
+                writer.writerow([names[true], names[pred], -negative_count, repr(-negative_count / sum(confusion[true]))])
 
 
 class ConfusionMatrixPng(Callback):
