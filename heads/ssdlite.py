@@ -142,11 +142,20 @@ class SSDLiteHead(nn.Module):
         self.nms_threshold = nms_threshold
         self.detections_per_image = detections_per_image
         self._pixel_scales: dict[tuple, torch.Tensor] = {}
+        self.register_load_state_dict_pre_hook(self._rename_global_level)
         self.reset_parameters()
 
     @staticmethod
     def _key(stride: int) -> str:
-        return "global" if stride == GLOBAL_LEVEL else f"stride{stride}"
+        # not "global": torch.export writes submodule names as Python attributes, and a keyword fails there
+        return "pooled" if stride == GLOBAL_LEVEL else f"stride{stride}"
+
+    @staticmethod
+    def _rename_global_level(module, state_dict, prefix, *args) -> None:
+        """A checkpoint that names the global level ``extra_layers.global`` loads into ``extra_layers.pooled``."""
+        old = f"{prefix}extra_layers.global."
+        for key in [k for k in state_dict if k.startswith(old)]:
+            state_dict[f"{prefix}extra_layers.pooled." + key[len(old):]] = state_dict.pop(key)
 
     def reset_parameters(self) -> None:
         for module in [self.extra_layers, self.predictors]:

@@ -291,3 +291,30 @@ def test_training_reduces_loss_on_a_tiny_batch():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_a_head_with_the_global_level_exports_and_loads_the_global_name():
+    """The global 1x1 level every COCO paper recipe uses goes through torch.export (whose generated code cannot
+    name a submodule ``global``), and a state dict naming it ``extra_layers.global`` still loads."""
+    head = SSDLiteHead({8: 16, 16: 32, 32: 64}, 3, output_strides=(16, 32, 64, 128, 256, -1)).eval()
+    features = (torch.randn(1, 16, 64, 64), torch.randn(1, 32, 32, 32), torch.randn(1, 64, 16, 16))
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = head
+
+        def forward(self, a, b, c):
+            outputs = self.head({8: a, 16: b, 32: c})
+            return outputs.cls_logits, outputs.box_regression
+
+    exported = torch.export.export(Wrapped(), features).module()
+    for got, expected in zip(exported(*features), Wrapped()(*features)):
+        torch.testing.assert_close(got, expected)
+    named_global = {k.replace("extra_layers.pooled.", "extra_layers.global."): v.clone() + 1
+                    for k, v in head.state_dict().items()}
+    assert any(".global." in k for k in named_global)
+    fresh = SSDLiteHead({8: 16, 16: 32, 32: 64}, 3, output_strides=(16, 32, 64, 128, 256, -1))
+    fresh.load_state_dict(named_global)  # strict
+    torch.testing.assert_close(fresh.extra_layers["pooled"][1].weight,
+                               named_global["extra_layers.global.1.weight"])
