@@ -191,7 +191,7 @@ def test_evaluation_file_missing_a_training_category_is_fine(root):
     assert {int(t["labels"][0]) for _, t in (dm.val_set[i] for i in range(len(dm.val_set)))} == {1}
 
 
-# -- 8. what real annotation files get wrong (issue 32) ---------------------------------------------
+# -- 8. what real annotation files get wrong ---------------------------------------------------------
 def test_image_without_width_or_height_names_file_and_image(root):
     path = annotation_file(root, "val2017")
     edit(path, lambda d: d["images"][1].pop("width"))

@@ -472,7 +472,7 @@ def test_a_png_declaring_twenty_thousand_squared_pixels_names_the_file_and_the_l
 def test_images_over_the_pixel_limit_fail_naming_file_and_limit_or_are_skipped_and_counted(tmp_path, monkeypatch,
                                                                                           suffix, on_bad_image):
     """A real image over a lowered limit goes through the datamodule's reader: an error naming it and the
-    limit, or under ``skip`` a counted skip; images under the limit are read as before."""
+    limit, or under ``skip`` a counted skip; images under the limit are read as any other."""
     import PIL.Image
 
     root = imagefolder(tmp_path / "data")

@@ -315,7 +315,7 @@ def test_predict_refuses_missing_empty_and_non_utf8_input(tmp_path, monkeypatch,
 
 @pytest.mark.parametrize("split, stage", [("test", "test"), ("valid", "validate")])
 def test_blank_evaluation_lines_are_scored_as_they_are_and_named(tmp_path, demo, caplog, split, stage):
-    """A whitespace-only reference is not dropped (that would change the test set) but no longer silent."""
+    """A whitespace-only reference is not dropped (that would change the test set) but reported."""
     root = small_root(tmp_path, demo)
     en, de = read_split(root, split, "en"), read_split(root, split, "de")
     de[6], en[40], de[40] = "   ", "", "\t"
