@@ -153,10 +153,11 @@ class SegmentationTask(Predictor, TaskModule):
         return preds
 
     def _log_scores(self, stage: str, metric: MeanIoU) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Logs the split's ``<stage>/miou`` and ``<stage>/pixel_acc``; returns them and the metric's results."""
+        """Logs the split's ``<stage>/miou``, ``<stage>/pixel_acc`` and ``<stage>/macc``; returns them and the
+        metric's results."""
         scores = metric.compute()  # sums the matrix over ranks: every rank calls it
         metric.reset()
-        logged = {f"{stage}/{name}": scores[name].float() for name in ("miou", "pixel_acc")}
+        logged = {f"{stage}/{name}": scores[name].float() for name in ("miou", "pixel_acc", "macc")}
         self.log_dict(logged)
         return logged, scores
 

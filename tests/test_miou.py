@@ -39,8 +39,11 @@ def numpy_scores(pairs: list[tuple[np.ndarray, np.ndarray]], num_classes: int) -
     present = union > 0
     iou = np.full(num_classes, np.nan)
     iou[present] = tp[present] / union[present]
+    truth = confmat.sum(1)
+    class_acc = np.full(num_classes, np.nan)
+    class_acc[truth > 0] = tp[truth > 0] / truth[truth > 0]
     return {"confmat": confmat, "iou": iou, "miou": iou[present].mean(), "pixel_acc": tp.sum() / confmat.sum(),
-            "present": present}
+            "class_acc": class_acc, "macc": class_acc[truth > 0].mean(), "present": present}
 
 
 def area_miou(pairs: list[tuple[np.ndarray, np.ndarray]], num_classes: int) -> float:
@@ -55,6 +58,19 @@ def area_miou(pairs: list[tuple[np.ndarray, np.ndarray]], num_classes: int) -> f
         true_area += np.bincount(true, minlength=num_classes)
     with np.errstate(invalid="ignore"):
         return float(np.nanmean(inter / (pred_area + true_area - inter)))
+
+
+def area_macc(pairs: list[tuple[np.ndarray, np.ndarray]], num_classes: int) -> float:
+    """mmsegmentation's mAcc: per-class correct pixels over truth pixels summed over the images, nanmean over
+    classes (a class without truth pixels is 0 / 0 and left out)."""
+    inter, true_area = np.zeros(num_classes), np.zeros(num_classes)
+    for pred, true in pairs:
+        keep = true != IGNORE
+        pred, true = pred[keep], true[keep]
+        inter += np.bincount(pred[pred == true], minlength=num_classes)
+        true_area += np.bincount(true, minlength=num_classes)
+    with np.errstate(invalid="ignore"):
+        return float(np.nanmean(inter / true_area))
 
 
 def random_pairs(rng: np.random.Generator, num_classes: int, count: int, size: tuple[int, int] | None = None
@@ -90,6 +106,10 @@ def test_metric_equals_numpy_confusion_matrix():
     assert float(ours["miou"]) == pytest.approx(ref["miou"], abs=1e-12)
     assert float(ours["miou"]) == pytest.approx(area_miou(pairs, num_classes), abs=1e-12)
     assert float(ours["pixel_acc"]) == pytest.approx(ref["pixel_acc"], abs=1e-12)
+    np.testing.assert_allclose(ours["class_acc"].numpy(), ref["class_acc"], rtol=0, atol=1e-12, equal_nan=True)
+    assert torch.isnan(ours["class_acc"][5]) and ref["present"][5]  # predicted only: an IoU of 0, no accuracy
+    assert float(ours["macc"]) == pytest.approx(ref["macc"], abs=1e-12)
+    assert float(ours["macc"]) == pytest.approx(area_macc(pairs, num_classes), abs=1e-12)
     # dataset-wide, not a mean of per-image scores
     per_image = np.mean([image_miou(torch.from_numpy(p), torch.from_numpy(t), num_classes, IGNORE) for p, t in pairs])
     assert per_image == pytest.approx(np.mean([numpy_scores([p], num_classes)["miou"] for p in pairs]), abs=1e-12)
@@ -123,7 +143,7 @@ def test_counting_has_no_host_sync():
 def test_confusion_scores_edge_cases():
     # nothing evaluated: NaN, not a silent 0 or 1
     empty = confusion_scores(torch.zeros(3, 3, dtype=torch.long))
-    assert torch.isnan(empty["miou"]) and torch.isnan(empty["pixel_acc"])
+    assert torch.isnan(empty["miou"]) and torch.isnan(empty["pixel_acc"]) and torch.isnan(empty["macc"])
     # perfect on the classes present
     perfect = confusion_scores(torch.diag(torch.tensor([4, 0, 6])))
     assert float(perfect["miou"]) == 1.0 and perfect["present"].tolist() == [True, False, True]

@@ -98,6 +98,8 @@ def test_test_writes_masks_and_metrics(fitted):
     union = confmat.sum(0) + confmat.sum(1) - tp
     assert metrics["test/miou"] == pytest.approx((tp[union > 0] / union[union > 0]).mean(), abs=1e-6)
     assert metrics["test/pixel_acc"] == pytest.approx(tp.sum() / confmat.sum(), abs=1e-6)
+    truth = confmat.sum(1)
+    assert metrics["test/macc"] == pytest.approx((tp[truth > 0] / truth[truth > 0]).mean(), abs=1e-6)
     assert "test/loss" in metrics and metrics["params"] > 0 and metrics["gflops"] > 0
     check_per_class(predictions / "per_class.csv", confmat, (root / "class_names.txt").read_text().split())
 

@@ -26,20 +26,26 @@ def confusion_scores(confmat: torch.Tensor) -> dict[str, torch.Tensor]:
     """Scores of a (K, K) confusion matrix (rows: truth, columns: prediction), in float64.
 
     Returns ``iou`` (K,), NaN where a class is in neither truth nor prediction; ``miou``, the mean over
-    the other classes; ``pixel_acc``, trace / total; ``present`` (K,) bool. NaN scores when nothing was
-    counted.
+    the other classes; ``pixel_acc``, trace / total (mmsegmentation's aAcc); ``class_acc`` (K,), each
+    class's share of its truth pixels predicted right, NaN for a class without truth pixels, and ``macc``
+    their mean over the classes with truth pixels (mmsegmentation's mAcc); ``present`` (K,) bool. NaN
+    scores when nothing was counted.
     """
     confmat = confmat.double()
     tp = confmat.diagonal()
     union = confmat.sum(0) + confmat.sum(1) - tp
     present = union > 0
     iou = torch.where(present, tp / union.clamp_min(1), torch.full_like(tp, float("nan")))
+    truth = confmat.sum(1)
+    class_acc = torch.where(truth > 0, tp / truth.clamp_min(1), torch.full_like(tp, float("nan")))
     total = confmat.sum()
     nan = torch.tensor(float("nan"), dtype=torch.float64, device=confmat.device)
     return {
         "iou": iou,
         "miou": iou[present].mean() if present.any() else nan,
         "pixel_acc": tp.sum() / total if total > 0 else nan,
+        "class_acc": class_acc,
+        "macc": class_acc[truth > 0].mean() if (truth > 0).any() else nan,
         "present": present,
     }
 
@@ -74,7 +80,7 @@ class MeanIoU(Metric):
 
     ``update(preds, target)``: (N, H, W) integer labels of the same shape; target pixels equal to
     ``ignore_index`` are skipped. ``compute()``: ``{"confmat": (K, K) int64 (rows: truth), "iou": (K,),
-    "miou", "pixel_acc", "present": (K,)}`` (:func:`confusion_scores` of the summed matrix).
+    "miou", "pixel_acc", "class_acc": (K,), "macc", "present": (K,)}`` (:func:`confusion_scores` of the summed matrix).
 
     Args:
         num_classes: K; labels are 0..K-1.
