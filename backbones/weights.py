@@ -203,6 +203,12 @@ def load_pretrained(backbone: nn.Module, pretrained: str | Path) -> StateDict:
     source = f"{entry.name} ({path})" if entry is not None else str(path)
     if entry is not None:
         check_family(entry, backbone)
+        if not path.is_file():  # nothing is downloaded at run time: say where these weights come from
+            raise FileNotFoundError(
+                f"weights {entry.name} are read from {path}, which does not exist (working directory {Path.cwd()}). "
+                f"Nothing is downloaded at run time: get the {entry.converter} file from {entry.url} on a machine "
+                f"with internet and put it at {path}, or pass its path as the option, or null to start from "
+                "random weights.")
     checkpoint = read_checkpoint(path)
     state_dict = state_dict_in(checkpoint)
     if not state_dict:

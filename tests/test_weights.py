@@ -200,6 +200,20 @@ def test_unknown_naming_pickles_and_missing_files_are_clear_errors(tmp_path):
         MobileViTv2(width=0.5, pretrained=str(tmp_path / "nope.pth"))
 
 
+def test_registered_weights_without_their_file_say_where_to_get_them(tmp_path, monkeypatch):
+    """No machine running the suite may download: a registered name whose file is absent names the file it
+    is read from and the address it is published at."""
+    from backbones.pretrained import find_weights
+
+    monkeypatch.chdir(tmp_path)
+    entry = find_weights("mobilevitv2_050.cvnets_in1k")
+    with pytest.raises(FileNotFoundError) as err:
+        MobileViTv2(width=0.5, pretrained=entry.name)
+    message = str(err.value)
+    assert entry.name in message and entry.file in message and entry.url in message
+    assert "Nothing is downloaded at run time" in message
+
+
 def test_ddp_prefix_and_registered_converters(tmp_path, v2_reference):
     path = tmp_path / "ddp.pth"
     torch.save({f"module.{k}": v for k, v in v2_reference.state_dict().items()}, path)
