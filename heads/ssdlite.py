@@ -279,8 +279,7 @@ class SSDLiteHead(nn.Module):
         scores = F.softmax(outputs.cls_logits.float(), dim=-1)[..., 1:]
         boxes = self.box_coder.decode(outputs.box_regression, outputs.anchors).clamp(0.0, 1.0)
         if original_sizes is None:
-            height, width = image_size
-            return scores, boxes * boxes.new_tensor([width, height, width, height])
+            return scores, boxes * self._pixels_per_unit(image_size, boxes.device)
         sizes = torch.as_tensor(original_sizes, dtype=torch.float32, device=boxes.device).reshape(-1, 2)
         if len(sizes) != len(boxes):
             raise ValueError(f"{len(sizes)} original sizes for a batch of {len(boxes)} images")

@@ -44,3 +44,18 @@ def test_old_checkpoint_is_scored_by_the_cli(run_cli, tmp_path):
             "--trainer.logger", "false", "--data.batch_size", "8")
     metrics = json.loads((tmp_path / "runs" / "classify" / "predictions" / "metrics.json").read_text())
     assert 0.0 <= metrics["test/top1"] <= metrics["test/top5"] <= 1.0
+
+
+def test_no_task_module_writes_a_file():
+    """Tasks compute, callbacks write: no task module (``tasks/<task>.py``) opens, writes or creates a file;
+    its outputs are the callbacks of ``tasks/outputs/<task>.py``."""
+    import ast
+
+    writers = {"open", "write_text", "write_bytes", "mkdir", "save", "savefig", "write_jpeg", "write_png", "dump"}
+    modules = sorted(Path(tasks.__file__).parent.glob("*.py"))
+    assert {m.stem for m in modules} >= {"classify", "detect", "segment", "translate"}
+    for module in modules:
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+                assert name not in writers, f"{module.name}:{node.lineno} calls {name}(): write it from a callback"

@@ -10,6 +10,7 @@ validation and test translations go to wandb as tables.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from pathlib import Path
@@ -33,11 +34,18 @@ def write_lines(path: Path, lines: list[str]) -> None:
         f.writelines(line + "\n" for line in lines)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def sentence_scores(hypothesis: str, reference: str) -> tuple[float, float]:
+    """sacreBLEU's sentence BLEU and chrF of one sentence, computed once for all the files that show them
+    (``hypotheses.tsv`` and ``worst.tsv`` score the same split)."""
+    return sentence_bleu(hypothesis, reference), sentence_chrf(hypothesis, reference)
+
+
 def scored_row(index: int, source: str, reference: str, hypothesis: str) -> list:
     """A row of ``hypotheses.tsv``: the 1-based line of the test file, sacreBLEU's sentence BLEU and chrF
     (written with ``repr``: all digits), source, reference and hypothesis."""
-    return [index + 1, repr(sentence_bleu(hypothesis, reference)), repr(sentence_chrf(hypothesis, reference)),
-            source, reference, hypothesis]
+    bleu, chrf = sentence_scores(hypothesis, reference)
+    return [index + 1, repr(bleu), repr(chrf), source, reference, hypothesis]
 
 
 class SentencesFile(Callback):
@@ -86,7 +94,7 @@ class WorstTranslations(SentencesFile):
         self.k = k
 
     def write(self, folder: Path, sentences: list) -> None:
-        chrf = [sentence_chrf(hypothesis, reference) for _, _, reference, hypothesis in sentences]
+        chrf = [sentence_scores(hypothesis, reference)[1] for _, _, reference, hypothesis in sentences]
         order = sorted(range(len(sentences)), key=lambda i: (chrf[i], sentences[i][0]))[: max(self.k, 0)]
         if order:
             write_worst_csv(folder / "worst" / "worst.tsv", ["rank", *COLUMNS],
