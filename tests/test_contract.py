@@ -513,3 +513,30 @@ def test_cli_installs_atomic_checkpoints_preemption_and_the_resume_guard_and_loc
     holder.acquire()
     with pytest.raises(RunInUse, match=rf"run is in use by another fit: pid {os.getppid()} on host"):
         cli.before_fit()
+
+
+def test_checkpoint_is_scored_without_the_weights_its_training_started_from(tmp_path):
+    """A fit that started from a weights file writes checkpoints that rebuild without it (the checkpoint's
+    weights replace it): `test --ckpt_path` on a machine without the start file works, and normalises the
+    images as the checkpoint was trained (its stored input specification), not with ImageNet's defaults."""
+    import yaml
+
+    from backbones.convmixer import ConvMixer
+
+    start = tmp_path / "start.pt"
+    torch.save(ConvMixer(dim=8, depth=1, patch_size=4, kernel_size=3).state_dict(), start)
+    backbone = ["--model.backbone", "backbones.convmixer.ConvMixer", "--model.backbone.dim", "8",
+                "--model.backbone.depth", "1", "--model.backbone.patch_size", "4", "--model.backbone.kernel_size", "3"]
+    run_task("classify", "fit", *TINY["classify"], *QUIET, *SHORT_FIT, *backbone,
+             "--model.backbone.pretrained", str(start), "--data.mean", "[0.5, 0.5, 0.5]", "--data.std", "[0.25, 0.25, 0.25]",
+             cwd=tmp_path)
+    last = tmp_path / "runs" / "classify" / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=True)
+    assert saved["hyper_parameters"]["backbone"]["init_args"]["pretrained"] is None
+    start.unlink()
+    run_task("classify", "test", "--ckpt_path", str(last), *TINY["classify"], *QUIET,
+             "--trainer.limit_test_batches", "1", cwd=tmp_path)
+    config = yaml.safe_load((tmp_path / "runs" / "classify" / "suite_config.yaml").read_text())
+    assert config["data"]["init_args"]["mean"] == [0.5, 0.5, 0.5]
+    assert config["data"]["init_args"]["std"] == [0.25, 0.25, 0.25]
+    assert json.loads((tmp_path / "runs" / "classify" / "predictions" / "metrics.json").read_text())["test/top1"] >= 0

@@ -399,6 +399,7 @@ class TaskModule(LightningModule):
         # resuming mid-epoch replays dropout and augmentation draws exactly only with the RNG states
         checkpoint["rng_states"] = rng_states()
         checkpoint["suite_task"] = qualified_name(type(self))
+        checkpoint["hyper_parameters"] = without_start_weights(checkpoint.get("hyper_parameters", {}))
         group = getattr(self, "wandb_group", None)
         if group:
             checkpoint["wandb_group"] = group
@@ -438,6 +439,20 @@ class TaskModule(LightningModule):
         """Concatenate a per-rank Python list over all ranks (uneven lengths are fine), e.g. the
         hypotheses a corpus metric scores."""
         return gather(self.trainer, items)
+
+def without_start_weights(hparams: dict[str, Any]) -> dict[str, Any]:
+    """Saved constructor arguments without the weights training started from (``weights``, the backbone's
+    ``pretrained``): the checkpoint's own weights replace them, so rebuilding it (``--ckpt_path``,
+    ``tasks.load``) needs no start file, which the machine that evaluates may not have."""
+    hparams = dict(hparams)
+    if hparams.get("weights") is not None:
+        hparams["weights"] = None
+    backbone = hparams.get("backbone")
+    init_args = backbone.get("init_args") if isinstance(backbone, dict) else None
+    if isinstance(init_args, dict) and init_args.get("pretrained") is not None:
+        hparams["backbone"] = {**backbone, "init_args": {**init_args, "pretrained": None}}
+    return hparams
+
 
 def _short(value, limit: int = 6) -> str:
     if isinstance(value, (list, tuple)):

@@ -247,11 +247,19 @@ class SuiteCLI(LightningCLI):
 
     def _link_weights(self, config) -> None:
         """An image datamodule's ``weights`` (whose entry gives its mean and std, ``backbones/pretrained.py``)
-        are the model's: ``model.weights``, else the backbone's ``pretrained``. A ``--data.weights`` given
-        explicitly is kept (jsonargparse's ``link_arguments`` would drop it)."""
+        are the model's: ``model.weights``, else the backbone's ``pretrained``; scoring a checkpoint, its
+        mean and std are those of the input specification the checkpoint stores. A ``--data.weights`` (or
+        ``--data.mean`` / ``--data.std``) given explicitly is kept (jsonargparse's ``link_arguments`` would
+        drop it)."""
         data_args = getattr(config.get("data"), "init_args", None)
         model = config.get("model")
         if data_args is None or "weights" not in data_args or data_args.weights is not None or model is None:
+            return
+        spec = (self.checkpoint or {}).get("input_spec")
+        if spec is not None:  # a checkpoint is scored on inputs prepared as it was trained on
+            for key in ("mean", "std"):
+                if key in data_args and data_args[key] is None:
+                    data_args[key] = list(spec[key])
             return
         backbone_args = getattr(model.get("backbone"), "init_args", None)
         data_args.weights = model.get("weights") or (backbone_args.get("pretrained") if backbone_args else None)
