@@ -55,7 +55,7 @@ def latency_ms(name: str, kwargs: dict, k: int, reps: int, device: torch.device)
 
 
 def main() -> None:
-    from tasks.engine.runtime import reuse_freed_memory
+    from tasks.cli.runtime import reuse_freed_memory
 
     reuse_freed_memory()  # as the CLIs do; ours and the peer share this process, so both get it
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

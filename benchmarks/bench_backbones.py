@@ -20,7 +20,7 @@ step's activations, gradients and temporaries add; on CUDA, the growth of
 Share of the CPU's GEMM throughput (``--gemm-share``): how close each model's inference
 comes to the machine's dense float32 matmul rate, measured in the same run with the
 same threads: ``inference img/s x FLOPs per image / GEMM FLOP/s``, FLOPs = 2 x
-multiply-adds as PyTorch's FLOP counter counts them (``tasks.engine.analysis.count_flops``),
+multiply-adds as PyTorch's FLOP counter counts them (``tasks.engine.cost.count_flops``),
 the GEMM rate the best of ``--reps`` timings of a ``--gemm-size``³ matmul, one per
 repetition, interleaved with the models. 100 % would be a model made only of
 large, perfectly efficient matmuls; what is missing is time outside GEMMs (norms,
@@ -234,7 +234,7 @@ def compare(
         result[f"{k}_infer_ips"] = batch / min(times[k]["infer"])
         result[f"{k}_latency_ms"] = 1e3 * min(times[k]["latency"])
     if gemm_size:
-        from tasks.engine.analysis import count_flops
+        from tasks.engine.cost import count_flops
 
         result["gemm_gflops"] = max(gemm_rates) / 1e9
         for k, m in models.items():
@@ -409,7 +409,7 @@ def gemm_bound_markdown(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    from tasks.engine.runtime import reuse_freed_memory
+    from tasks.cli.runtime import reuse_freed_memory
 
     reuse_freed_memory()  # as the CLIs do; ours and the peer share this process, so both get it
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

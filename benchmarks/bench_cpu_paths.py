@@ -16,7 +16,7 @@ random weights and BatchNorm statistics moved off their init. The numbers:
 Each path of :mod:`layers.cpu_speedups` is measured as all paths on against all on but that one, in
 one process, interleaved, best of ``--reps`` (on a shared machine other processes only ever add
 time); "all off" is the plain model. The outputs of every variant are compared with the plain ones.
-``mallopt`` (``tasks.engine.runtime.reuse_freed_memory``) is process-wide, so its rows alternate child
+``mallopt`` (``tasks.cli.runtime.reuse_freed_memory``) is process-wide, so its rows alternate child
 processes with and without it (``SUITE_SYSTEM_MALLOC=1``), best of ``--reps`` each.
 """
 from __future__ import annotations
@@ -151,7 +151,7 @@ def measure_paths(cases: dict, paths: tuple[str, ...], reps: int, grad: bool) ->
 CHILD = """
 import json, sys, time, torch
 sys.path.insert(0, {repo!r}); sys.path.insert(0, {repo!r} + "/benchmarks")
-from tasks.engine.runtime import reuse_freed_memory
+from tasks.cli.runtime import reuse_freed_memory
 applied = reuse_freed_memory()
 torch.set_num_threads({threads})
 import bench_cpu_paths
@@ -207,7 +207,7 @@ def main(argv=None) -> None:
     p.add_argument("--cases", nargs="+", default=None, help="only the numbers whose name contains one of these")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args(argv)
-    from tasks.engine.runtime import reuse_freed_memory
+    from tasks.cli.runtime import reuse_freed_memory
 
     reuse_freed_memory()  # as the CLIs do
     torch.set_num_threads(args.threads)

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from layers.conv import DepthwiseConv2d, depthwise_weight_grad
-from tasks.engine.runtime import reuse_freed_memory
+from tasks.cli.runtime import reuse_freed_memory
 
 #: (batch, channels, side, kernel, where the shape comes from)
 SHAPES = [

@@ -166,7 +166,7 @@ def markdown_row(row: dict) -> str:
 
 
 def main() -> None:
-    from tasks.engine.runtime import reuse_freed_memory
+    from tasks.cli.runtime import reuse_freed_memory
 
     reuse_freed_memory()  # as the CLIs do; ours and the peer share this process, so both get it
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

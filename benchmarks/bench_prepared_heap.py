@@ -1,7 +1,7 @@
 """What a prepared-index build leaves resident, with and without handing the freed heap back.
 
 A build parses a whole annotation file into Python objects and keeps only flat arrays; under the suite's
-keep-freed-memory malloc setting (tasks/engine/runtime.py) the parse's freed heap would stay resident for the
+keep-freed-memory malloc setting (tasks/cli/runtime.py) the parse's freed heap would stay resident for the
 whole run. ``datamodules.prepared`` calls ``malloc_trim`` after a build; this script measures a build of a
 1.5 M-object JSON file with that call (``on``) and without it (``off``), in alternating fresh processes.
 
@@ -23,7 +23,7 @@ def measure(trim: str) -> str:
     import numpy as np
 
     import datamodules.prepared as prepared
-    from tasks.engine.runtime import reuse_freed_memory
+    from tasks.cli.runtime import reuse_freed_memory
 
     reuse_freed_memory()
     if trim == "off":

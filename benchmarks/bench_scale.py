@@ -429,7 +429,7 @@ def probe(args) -> dict:
     fmt, root = args.format, Path(args.root)
     applied = None
     if fmt != "imagenet_torchvision":
-        from tasks.engine.runtime import reuse_freed_memory
+        from tasks.cli.runtime import reuse_freed_memory
 
         applied = reuse_freed_memory()  # as the CLIs do, before anything is built
     import torch

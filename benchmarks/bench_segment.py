@@ -145,7 +145,7 @@ def speed_table(crop: int, batch: int, reps: int, num_classes: int) -> str:
 
 
 def main() -> None:
-    from tasks.engine.runtime import reuse_freed_memory
+    from tasks.cli.runtime import reuse_freed_memory
 
     reuse_freed_memory()  # as the CLIs do; ours and the peer share this process, so both get it
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

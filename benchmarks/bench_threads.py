@@ -11,7 +11,7 @@ processes, since OpenMP reads its settings when torch loads it:
 
 - ``before``: torch's default, one thread per core, held fixed (``SUITE_THREADS`` = the cores): threads that
   do not follow the machine;
-- ``suite``: what the suite chooses (:mod:`layers.machine`: the plan, and :class:`tasks.engine.runtime.ThreadsFollowLoad`);
+- ``suite``: what the suite chooses (:mod:`layers.machine`: the plan, and :class:`tasks.cli.runtime.ThreadsFollowLoad`);
 - ``one-thread``: ``OMP_NUM_THREADS=1``, for reference;
 - ``passive``: ``OMP_WAIT_POLICY=PASSIVE``, for reference.
 

@@ -160,7 +160,7 @@ def bench_decoding(dims: str, vocab: int, src: torch.Tensor, out_len: int = 64, 
 
 
 def speed(args) -> dict:
-    from tasks.engine.runtime import reuse_freed_memory
+    from tasks.cli.runtime import reuse_freed_memory
 
     reuse_freed_memory()  # as the CLIs do; ours and the peer share this process, so both get it
     torch.set_num_threads(args.threads)
@@ -198,7 +198,7 @@ def curve(args) -> dict:
             (out / "curve.json").write_text(json.dumps({"points": points}, indent=1))
             print("CURVE", points[-1], flush=True)
 
-    import tasks.engine.cli as cli
+    import tasks.cli.suite as cli
 
     recorder = Recorder()
     original = cli.SuiteCLI.instantiate_trainer

@@ -20,7 +20,7 @@ what each command promises:
                     that add with atomics): ``exact``, ``within noise`` (at most
                     ``NOISE_FACTOR`` times the floor) or ``beyond`` (a failure). Runs with
                     ``--trainer.deterministic true`` where the task allows it on the device
-                    (:mod:`tasks.engine.determinism`), else ``warn``
+                    (:mod:`tasks.cli.determinism`), else ``warn``
 ``channels_last``   ``fit --model.channels_last true`` (image tasks)
 ``compile_*``       ``fit --model.compile regional`` and ``network``: the first and next training
                     step's seconds as the task reports them (compilation included in the first)
@@ -200,7 +200,7 @@ class TaskRun:
 
     def deterministic(self) -> tuple[str, str]:
         """(``--trainer.deterministic`` value, why): ``true`` unless the task refuses it on this device."""
-        from tasks.engine.determinism import deterministic_refusal, run_ops
+        from tasks.cli.determinism import deterministic_refusal, run_ops
 
         if deterministic_refusal(self.task, True, self.args.accelerator) is None:
             return "true", "deterministic true"

@@ -919,7 +919,7 @@ def plan(args) -> list[Run]:
 
 
 def main(argv=None) -> int:
-    from tasks.engine.runtime import reuse_freed_memory
+    from tasks.cli.runtime import reuse_freed_memory
 
     reuse_freed_memory()  # as the CLIs do; ours and the peer share this process, so both get it
     args = parse_args(argv)

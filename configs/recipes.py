@@ -32,6 +32,8 @@ import configs
 
 #: the LightningCLI subcommands
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+#: the resolved config a run saves beside its logs (wandb keeps "config.yaml" for itself)
+CONFIG_FILE_NAME = "suite_config.yaml"
 #: the subcommand answered before LightningCLI parses (:mod:`tasks.export.command`)
 EXPORT = "export"
 #: options that never take the next argument as their value (``--print_config=skip_null`` gives one inline)

@@ -137,7 +137,7 @@ def prepare(kind: str, source: Path | str, fingerprint: dict, build: Build,
 def _release_freed_heap() -> None:
     """Give the heap a build freed back to the system. A build parses whole annotation files (a COCO
     train JSON is ~3 GB of Python objects), and the suite asks glibc to keep freed memory for reuse
-    (``tasks/engine/runtime.py``), which would otherwise keep that peak resident for the whole run."""
+    (``tasks/cli/runtime.py``), which would otherwise keep that peak resident for the whole run."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing kept on purpose

@@ -10,7 +10,7 @@ at least 5 % on a number a user sees (``benchmarks/RESULTS.md``, "CPU speed path
   convolution (:class:`layers.conv.DepthwiseConv2d`), in CPU training: the one training path, kept
   for the segmentation demo's fit time.
 
-``tasks.engine.runtime.reuse_freed_memory`` (glibc's ``mallopt``, process-wide) obeys the same switch.
+``tasks.cli.runtime.reuse_freed_memory`` (glibc's ``mallopt``, process-wide) obeys the same switch.
 Removed for gaining less than 5 %: oneDNN's fused linear with its epilogue, and explicit attention
 for small score matrices.
 

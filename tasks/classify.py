@@ -15,7 +15,7 @@ from backbones import Backbone
 from backbones.weights import classifier_state, load_pretrained
 from datamodules.input_spec import classification_spec, input_spec_of
 from heads.classifier import ClassifierHead
-from tasks.engine.analysis import displayable
+from tasks.outputs.common import displayable
 from tasks.engine.base import TaskModule
 from tasks.engine.predictor import Predictor
 from tasks.export import classification as onnx_classification
@@ -156,7 +156,7 @@ class ClassificationTask(Predictor, TaskModule):
 
 def main(args=None) -> None:
     from datamodules.imagefolder import ImageFolderDataModule
-    from tasks.engine.cli import SuiteCLI
+    from tasks.cli.suite import SuiteCLI
 
     SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
              monitor="val/top1", args=args)

@@ -22,7 +22,7 @@ import torch
 from backbones import Backbone
 from datamodules.input_spec import detection_spec, input_spec_of
 from heads.ssdlite import ImageSizes, SSDLiteHead, SSDLiteOutputs
-from tasks.engine.analysis import displayable
+from tasks.outputs.common import displayable
 from tasks.engine.base import TaskModule
 from tasks.engine.predictor import Predictor
 from tasks.export import detection as onnx_detection
@@ -244,7 +244,7 @@ class DetectionTask(Predictor, TaskModule):
 
 def main(args=None) -> None:
     from datamodules.coco import CocoDataModule
-    from tasks.engine.cli import SuiteCLI
+    from tasks.cli.suite import SuiteCLI
 
     SuiteCLI(DetectionTask, CocoDataModule, task="detect", default_config="demo_ssdlite_mobilevitv2.yaml",
              monitor="val/map", args=args)

@@ -24,7 +24,7 @@ from datamodules.input_spec import input_spec_of, segmentation_spec
 from datamodules.segmentation_transforms import IGNORE_INDEX
 from heads.deeplabv3 import DeepLabV3
 from heads.seg_common import SegmentationHead
-from tasks.engine.analysis import displayable
+from tasks.outputs.common import displayable
 from tasks.engine.base import TaskModule
 from tasks.engine.predictor import Predictor
 from tasks.export import segmentation as onnx_segmentation
@@ -209,7 +209,7 @@ class SegmentationTask(Predictor, TaskModule):
 
 def main(args=None) -> None:
     from datamodules.segmentation import SegmentationDataModule
-    from tasks.engine.cli import SuiteCLI
+    from tasks.cli.suite import SuiteCLI
 
     SuiteCLI(SegmentationTask, SegmentationDataModule, task="segment", default_config="demo_deeplabv3_convmixer.yaml",
              monitor="val/miou", mode="max", args=args)

@@ -316,7 +316,7 @@ class TranslationTask(Predictor, TaskModule):
 
 def main(args=None) -> None:
     from datamodules.wmt import TranslationDataModule
-    from tasks.engine.cli import SuiteCLI
+    from tasks.cli.suite import SuiteCLI
 
     argv = sys.argv[1:] if args is None else list(args)
     with outputs.translations_stdout("predict" in argv and "--print_config" not in argv):

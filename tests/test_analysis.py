@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from backbones import MobileViTv2
-from tasks.engine.analysis import WorstExamples, count_flops, lowest, most_confused, write_confusion_matrix_png
+from tasks.outputs.common import WorstExamples, lowest, most_confused, write_confusion_matrix_png
+from tasks.engine.cost import count_flops
 from tasks.classify import ClassificationTask
 from tasks.detect import image_f1
 from tasks.segment import image_miou

@@ -45,7 +45,7 @@ def lightning_predict(model, datamodule, root: Path) -> Path:
 
     trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu",
                       default_root_dir=root)
-    from tasks.engine.outputs import predict_dir
+    from tasks.outputs.common import predict_dir
 
     trainer.predict(model, datamodule=datamodule)
     return predict_dir(trainer)

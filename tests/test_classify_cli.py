@@ -52,7 +52,7 @@ def check_worst_and_cost(predictions: Path, rows: list[dict], metrics: dict, che
     import torch
     from PIL import Image
 
-    from tasks.engine.analysis import count_flops
+    from tasks.engine.cost import count_flops
     from tasks.classify import ClassificationTask
 
     with open(predictions / "worst" / "worst.csv") as f:
@@ -189,7 +189,7 @@ QUIET = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", 
 def _classify_cli(*args):
     from datamodules.imagefolder import ImageFolderDataModule
     from tasks.classify import ClassificationTask
-    from tasks.engine.cli import SuiteCLI
+    from tasks.cli.suite import SuiteCLI
 
     return SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
                     monitor="val/top1", run=False, args=["--config", str(REPO / "configs/classify/demo_mobilevitv2.yaml"),

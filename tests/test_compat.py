@@ -29,7 +29,7 @@ def test_private_name_kept_in_compat_still_exists(module, name, use):
                                f"for {use}. Find its replacement and update layers/compat.py.")
 
 
-#: public LightningCLI methods tasks/engine/cli.py overrides (before_fit, after_fit, ... are checked below)
+#: public LightningCLI methods tasks/cli/suite.py overrides (before_fit, after_fit, ... are checked below)
 CLI_HOOKS = ["parse_arguments", "add_arguments_to_parser", "before_instantiate_classes", "instantiate_trainer",
              "after_instantiate_classes"]
 
@@ -41,7 +41,7 @@ def test_lightning_cli_still_has_the_hooks_the_suite_overrides(hook):
     from lightning.pytorch.cli import LightningCLI
 
     assert callable(getattr(LightningCLI, hook, None)), (
-        f"lightning {version('lightning')}: LightningCLI.{hook} is gone; tasks/engine/cli.py.SuiteCLI overrides it")
+        f"lightning {version('lightning')}: LightningCLI.{hook} is gone; tasks/cli/suite.py.SuiteCLI overrides it")
     source = inspect.getsource(LightningCLI)
     assert f"self.{hook}(" in source, (
         f"lightning {version('lightning')}: LightningCLI no longer calls self.{hook}(); SuiteCLI's override "
@@ -67,7 +67,7 @@ def test_lightning_cli_takes_the_constructor_arguments_the_suite_passes():
     params = inspect.signature(LightningCLI.__init__).parameters
     for name in ("save_config_callback", "save_config_kwargs", "seed_everything_default", "parser_kwargs",
                  "subclass_mode_data", "auto_configure_optimizers", "args", "run"):
-        assert name in params, f"lightning {version('lightning')}: LightningCLI(..., {name}=) is gone (tasks/engine/cli.py)"
+        assert name in params, f"lightning {version('lightning')}: LightningCLI(..., {name}=) is gone (tasks/cli/suite.py)"
 
 
 def test_precision_plugin_clips_by_norm_and_value():

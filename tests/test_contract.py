@@ -374,7 +374,7 @@ def test_fp16_unscales_then_clips_the_gradients_of_a_fused_optimizer():
 # -- checkpoint files and resume requests that cannot work (shared CLI: one task is enough) -------------
 def test_bad_checkpoint_files_are_named(fitted, tmp_path):
     from tasks.classify import ClassificationTask
-    from tasks.engine.cli import read_checkpoint_for
+    from tasks.cli.suite import read_checkpoint_for
 
     good = (fitted("classify") / "checkpoints" / "last.ckpt").read_bytes()
     truncated, text = tmp_path / "truncated.ckpt", tmp_path / "notes.ckpt"
@@ -408,7 +408,7 @@ def test_sync_batchnorm_recipe_evaluates_on_cpu(fitted, tmp_path):
     # training it on CPU is refused before anything is built
     from datamodules.imagefolder import ImageFolderDataModule
     from tasks.classify import ClassificationTask
-    from tasks.engine.cli import SuiteCLI
+    from tasks.cli.suite import SuiteCLI
 
     with pytest.raises(ValueError, match="sync_batchnorm=true .*needs CUDA"):
         SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
@@ -489,11 +489,11 @@ def test_cli_installs_atomic_checkpoints_preemption_and_the_resume_guard_and_loc
     import os
 
     from datamodules.imagefolder import ImageFolderDataModule
-    from tasks.engine.checkpoint_io import AtomicCheckpointIO
+    from tasks.cli.checkpoint_io import AtomicCheckpointIO
     from tasks.classify import ClassificationTask
-    from tasks.engine.cli import SuiteCLI
-    from tasks.engine.preemption import Preemption
-    from tasks.engine.resume import ResumeGuard, RunInUse, RunLock
+    from tasks.cli.suite import SuiteCLI
+    from tasks.cli.preemption import Preemption
+    from tasks.cli.resume import ResumeGuard, RunInUse, RunLock
 
     monkeypatch.chdir(tmp_path)
     cli = SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",

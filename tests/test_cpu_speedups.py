@@ -50,7 +50,7 @@ def test_model_with_every_path_equals_the_plain_model():
 
 
 def test_environment_variable_turns_every_path_off():
-    code = ("from layers.cpu_speedups import PATHS, enabled; from tasks.engine.runtime import reuse_freed_memory; "
+    code = ("from layers.cpu_speedups import PATHS, enabled; from tasks.cli.runtime import reuse_freed_memory; "
             "print(any(enabled(p) for p in PATHS), reuse_freed_memory())")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(SUITE_CPU_SPEEDUPS="0"),
                          capture_output=True, text=True, check=True)

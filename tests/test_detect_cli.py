@@ -332,7 +332,7 @@ def test_test_writes_its_numbers_before_drawing_and_draws_inverted_boxes(tmp_pat
     from torchvision.io import decode_jpeg, read_file
 
     from tasks.detect import DetectionTask
-    from tasks.engine.outputs import MetricsJson
+    from tasks.outputs.common import MetricsJson
     from tasks.outputs.detection import WorstDetections
 
     task = SimpleNamespace(draw_predictions=False, num_sample_images=8, num_worst_examples=16, category_ids=[4],

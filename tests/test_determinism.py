@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback
 
-from tasks.engine.determinism import (CUBLAS_WORKSPACE, NondeterministicOpLog, check_deterministic, deterministic_refusal,
+from tasks.cli.determinism import (CUBLAS_WORKSPACE, NondeterministicOpLog, check_deterministic, deterministic_refusal,
                                run_ops)
 from tests.conftest import run_task
 

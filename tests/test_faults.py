@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tasks.engine import checkpoint_io
 from tasks.engine.base import TaskModule
-from tasks.engine.checkpoint_io import AtomicCheckpointIO
+from tasks.cli.checkpoint_io import AtomicCheckpointIO
 from tasks.engine.checkpoints import check_checkpoint_file
 
 

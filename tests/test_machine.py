@@ -164,7 +164,7 @@ def test_other_load_counts_another_process_and_not_this_one():
 
 
 def test_threads_follow_load_only_where_it_may(monkeypatch):
-    from tasks.engine.runtime import ThreadsFollowLoad
+    from tasks.cli.runtime import ThreadsFollowLoad
 
     def started(chosen, deterministic=False):
         monkeypatch.setattr(machine, "_applied", chosen)

@@ -19,11 +19,11 @@ from torch.utils.data import TensorDataset
 
 from datamodules.loaders import make_loader
 from tasks.engine.base import TaskModule
-from tasks.engine.checkpoint_io import AtomicCheckpointIO
-from tasks.engine.checkpoints import LatestCheckpoint
+from tasks.cli.checkpoint_io import AtomicCheckpointIO
+from tasks.cli.last_checkpoint import LatestCheckpoint
 from tasks.engine.optim import WarmupCosineLR
-from tasks.engine.preemption import Preempted, Preemption, resume_command
-from tasks.engine.resume import ResumeGuard, RunInUse, RunLock
+from tasks.cli.preemption import Preempted, Preemption, resume_command
+from tasks.cli.resume import ResumeGuard, RunInUse, RunLock
 from tests.callbacks import SignalAtStep
 
 

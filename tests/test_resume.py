@@ -62,7 +62,7 @@ def classify_cli(root, *args: str):
     """The classification task's real CLI, built in this process without running a subcommand."""
     from datamodules.imagefolder import ImageFolderDataModule
     from tasks.classify import ClassificationTask
-    from tasks.engine.cli import SuiteCLI
+    from tasks.cli.suite import SuiteCLI
 
     return SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
                     monitor="val/top1", run=False, args=[*TINY_CLASSIFY, "--trainer.default_root_dir", str(root), *args])
@@ -98,7 +98,7 @@ def test_second_fit_in_a_run_root_is_refused_unless_it_resumes(tmp_path):
 
 def test_run_root_that_is_a_file_is_named(tmp_path):
     """``--trainer.default_root_dir`` naming a file (or a path under one) gave a bare FileExistsError."""
-    from tasks.engine.resume import make_run_root
+    from tasks.cli.resume import make_run_root
 
     taken = tmp_path / "results"
     taken.write_text("not a folder")

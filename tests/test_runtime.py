@@ -1,4 +1,4 @@
-"""tasks.engine.runtime: a freed tensor's memory serves the next one without faulting its pages in again."""
+"""tasks.cli.runtime: a freed tensor's memory serves the next one without faulting its pages in again."""
 import os
 import subprocess
 import sys
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 # faults they cost
 PROBE = """
 import resource, torch
-from tasks.engine.runtime import reuse_freed_memory
+from tasks.cli.runtime import reuse_freed_memory
 applied = reuse_freed_memory()
 torch.set_num_threads(1)
 from backbones import MobileViTv2

@@ -14,7 +14,7 @@ from backbones.convmixer import ConvMixer
 from backbones.mobilevitv2 import MobileViTv2
 from heads.deeplabv3 import ASPP, ATROUS_RATES, DeepLabV3
 from heads.pspnet import PSPNet, PyramidPooling
-from tasks.engine.analysis import count_flops
+from tasks.engine.cost import count_flops
 from tasks.segment import SegmentationTask
 
 
@@ -190,7 +190,7 @@ def test_aux_head_adds_no_inference_flops():
 # number of parameters reported does not include the auxiliary branches"): parameters in millions, one
 # decimal, None where neither gives the row. CVNets recipes (config/segmentation/{ade20k,pascal_voc}/):
 # 512-channel dense ASPP / PSP, ADE20k at output stride 8 and VOC at 16, aux head on stage 4.
-# GMACs: ours at 512 x 512 (tasks/engine/analysis.py::count_flops); no paper FLOPs are cited here, so they are
+# GMACs: ours at 512 x 512 (tasks/engine/cost.py::count_flops); no paper FLOPs are cited here, so they are
 # recorded, not asserted. Measured counts (params M / GMACs):
 #   PSPNet-0.5:     ADE20k 3.617 / 15.11   VOC 3.551 / 4.68
 #   DeepLabv3-0.75: ADE20k 9.576 / 39.67   VOC 9.510 / 11.99

@@ -23,7 +23,7 @@ os.environ.setdefault("LITDATA_CACHE_DIR", str(Path(os.environ.get("TMPDIR", "/t
 
 VOC_RECIPE = str(REPO / "configs" / "detect" / "demo_voc_ssdlite_mobilevitv2.yaml")
 #: the VOC demo recipe's datamodule and splits, as flags (a recipe with a base: breaks 2-process CPU runs
-#: in tasks/engine/cli.py, see the report)
+#: in tasks/cli/suite.py, see the report)
 VOC_FLAGS = ["--data", "datamodules.voc_detection.VocDetectionDataModule", "--data.train_split", "train",
              "--data.val_split", "val", "--data.test_split", "test"]
 

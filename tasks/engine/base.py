@@ -16,13 +16,12 @@ from torchmetrics import MeanMetric
 
 from layers.compat import skip_update_on_device, supports_device_skip
 from layers.compile import compile_mode, compile_networks, cpu_compile_notice
+from tasks.engine.checkpoints import plain, qualified_name, rng_states, set_rng_states
 from tasks.engine.compile_report import CompileReport
-from tasks.engine.analysis import model_cost, move_to
-from tasks.engine.checkpoints import qualified_name, rng_states, set_rng_states
+from tasks.engine.cost import model_cost, move_to
 from tasks.engine.nonfinite import LossVerdict
 from tasks.engine.optim import param_groups
-from tasks.engine.outputs import MetricsJson, PredictWriter, WandbTestTables, gather, predict_dir
-from tasks.engine.resume import plain
+from tasks.outputs.common import MetricsJson, PredictWriter, WandbTestTables, gather, predict_dir
 
 
 def zero_loss(module: nn.Module) -> torch.Tensor:
@@ -129,7 +128,7 @@ class TaskModule(LightningModule):
             self.example_input_array = self.example_input(datamodule)
 
     def model_cost(self) -> dict[str, float]:
-        """``params`` and, at the example input's size, ``gflops`` and ``gmacs`` (see :mod:`tasks.engine.analysis`)."""
+        """``params`` and, at the example input's size, ``gflops`` and ``gmacs`` (see :mod:`tasks.engine.cost`)."""
         example = self.example_input_array
         return model_cost(self, move_to(example, self.device) if example is not None else None)
 

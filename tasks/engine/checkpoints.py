@@ -1,13 +1,13 @@
-"""The suite's checkpoint files: reading and checking them, and writing ``last.ckpt``.
+"""What a checkpoint file of this suite holds and how it is read.
 
 - :func:`read_checkpoint` / :func:`check_checkpoint_file` load a ``.ckpt`` weights-only, or refuse
   a missing, truncated, foreign or other task's file naming it, before Lightning fails without
   the path.
 - :func:`rng_states` / :func:`set_rng_states`: the global RNG states every checkpoint carries, so a
   resumed run replays dropout and augmentation draws exactly; :func:`qualified_name` names the task class.
-- :class:`LatestCheckpoint` writes ``last.ckpt`` on its own schedule, beside the ModelCheckpoint
-  that keeps the best checkpoints on the task's metric (see :mod:`tasks.engine.cli`), and refuses a fit
-  that would overwrite the ``last.ckpt`` of an earlier fit in its run root without resuming it.
+- :func:`plain`: saved constructor arguments as plain dicts and lists (what a weights-only file can hold).
+
+Writing ``last.ckpt`` on the run's schedule is the command's (:mod:`tasks.cli.last_checkpoint`).
 """
 from __future__ import annotations
 
@@ -18,13 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Checkpoint
-
-
-#: the latest state of a fit, in the run root's checkpoint directory (``--ckpt_path last``)
-LAST_NAME = "last.ckpt"
 
 
 def read_checkpoint(path: str | Path) -> dict:
@@ -61,118 +54,6 @@ def check_checkpoint_file(path: str, model_class: type | None = None) -> dict:
 
 
 
-class LatestCheckpoint(Checkpoint):
-    """Writes ``dirpath/last.ckpt`` with the latest training state, whatever the metric.
-
-    Written every ``every_n_train_steps`` optimizer steps (``0``: never mid-epoch; a step that a
-    validation or the epoch's end follows is written after them instead), at every
-    validation end and at every training epoch end, whether or not validation ran: a run killed
-    before its first validation (a whole epoch, or three in a recipe validating every third)
-    can still be resumed exactly. A step is written once. The best checkpoints are a plain
-    ``ModelCheckpoint``'s (:mod:`tasks.engine.cli`); Lightning runs checkpoint callbacks after all
-    others, so the file holds every callback's state of the step.
-
-    Args:
-        dirpath: the directory of ``last.ckpt`` (the CLI's ``<trainer.default_root_dir>/checkpoints``).
-        every_n_train_steps: write it every this many optimizer steps too.
-    """
-
-    def __init__(self, dirpath: str | Path, every_n_train_steps: int = 0):
-        self.dirpath = Path(dirpath)
-        self.every_n_train_steps = int(every_n_train_steps or 0)
-        self._saved_step = -1
-        self._root_checked = False
-
-    @property
-    def path(self) -> Path:
-        return self.dirpath / LAST_NAME
-
-    @property
-    def last_model_path(self) -> str:
-        """The path of ``last.ckpt`` once written (``""`` before), as ``ModelCheckpoint`` names it."""
-        return str(self.path) if self.path.is_file() else ""
-
-    def save(self, trainer: Trainer) -> Path | None:
-        """Write ``last.ckpt`` for the current step unless it holds it already; on every rank
-        (``trainer.save_checkpoint`` is collective, rank 0 writes). ``None`` outside a fit."""
-        if trainer.sanity_checking or trainer.state.fn != "fit" or trainer.fast_dev_run:
-            return None
-        if self._saved_step != trainer.global_step:
-            trainer.save_checkpoint(self.path)
-            self._saved_step = trainer.global_step
-        return self.path
-
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._root_checked = False
-
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # strategies that restore after setup (FSDP, DeepSpeed) have not named the resumed checkpoint yet
-        if not trainer.strategy.restore_checkpoint_after_setup:
-            self.refuse_overwriting_another_fit(trainer)
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.refuse_overwriting_another_fit(trainer)
-
-    def refuse_overwriting_another_fit(self, trainer: Trainer) -> None:
-        """Stop a fit that would overwrite the ``last.ckpt`` of an earlier fit in the same run root.
-
-        A fit that resumes (``--ckpt_path``) continues that run, and one whose own callback wrote the file
-        (a second ``trainer.fit`` in one process) goes on; any other would replace the earlier run's
-        latest state, its only way to resume, and mix its checkpoints with the new run's. Rank 0's
-        view decides for every rank, so all stop together."""
-        if self._root_checked:
-            return
-        self._root_checked = True
-        if trainer.ckpt_path is not None or trainer.fast_dev_run or self._saved_step >= 0:
-            return
-        if not trainer.strategy.broadcast(self.path.is_file(), src=0):
-            return
-        raise FileExistsError(
-            f"{self.path} holds the last checkpoint of an earlier fit in this run root{describe_checkpoint(self.path)};"
-            f" this fit would overwrite it. To continue that run, add --ckpt_path last; to start a new one, give it "
-            f"its own --trainer.default_root_dir (or delete {self.dirpath} to start over in this one).")
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        if (self.every_n_train_steps > 0 and trainer.global_step % self.every_n_train_steps == 0
-                and not validation_or_epoch_end_follows(trainer, batch_idx)):  # written after it instead
-            self.save(trainer)
-
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.save(trainer)
-
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.save(trainer)
-
-
-def describe_checkpoint(path: Path) -> str:
-    """`` (epoch E, global step S, written <time>)`` of a checkpoint file, as far as it can be read."""
-    import time
-
-    import torch
-
-    written = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return f" (epoch {saved['epoch']}, global step {saved['global_step']}, written {written})"
-    except Exception:  # unreadable or foreign: its time still tells which run it is
-        return f" (written {written})"
-
-
-def validation_or_epoch_end_follows(trainer: Trainer, batch_idx: int) -> bool:
-    """Whether the batch ``batch_idx`` just trained is the epoch's last or one that a validation follows.
-
-    A checkpoint written there would resume past that validation: Lightning takes a checkpoint
-    written after a batch's end for one written after the validation that follows, skips it, and
-    the resumed run misses that validation's metrics and, since evaluation draws from the global
-    RNG (a loader's base seed), trains on with other random numbers than the uninterrupted run.
-    So ``last.ckpt`` and a stop signal wait for the validation (``on_validation_end``) or the epoch's end.
-    """
-    if batch_idx + 1 >= trainer.num_training_batches:
-        return True
-    every = trainer.val_check_batch
-    return isinstance(every, int) and every > 0 and (batch_idx + 1) % every == 0 and any(n > 0 for n in trainer.num_val_batches)
-
-
 def rng_states() -> dict[str, Any]:
     """Global RNG states of torch (CPU and CUDA), numpy and Python as tensors and plain
     values, so a checkpoint holding them still loads with ``weights_only=True``."""
@@ -203,3 +84,17 @@ def qualified_name(cls: type) -> str:
         spec = getattr(sys.modules["__main__"], "__spec__", None)
         module = spec.name if spec is not None else module
     return f"{module}.{cls.__qualname__}"
+
+
+def plain(value: Any) -> Any:
+    """A config value (jsonargparse Namespaces, tuples) as plain dicts and lists."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    # a class or callable given in Python: its name (a checkpoint holds plain values only)
+    return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', repr(value))}"

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback
 
-from tasks.engine.analysis import draw_after_metrics, with_caption, write_confusion_matrix_png, write_worst_csv
-from tasks.engine.outputs import PredictWriter, TestRows, ValidationSamples, WorstSamples, predictions_dir
+from tasks.outputs.common import (PredictWriter, TestRows, ValidationSamples, WorstSamples, draw_after_metrics,
+                                  predictions_dir, with_caption, write_confusion_matrix_png, write_worst_csv)
 
 
 class PredictionsCsv(TestRows):

@@ -22,8 +22,8 @@ import torch
 from lightning.pytorch import Callback
 
 from datamodules.images import output_names, read_rgb
-from tasks.engine.analysis import draw_after_metrics, drawable_boxes, write_worst_csv
-from tasks.engine.outputs import PredictWriter, TestRows, WorstSamples, predictions_dir, wandb_logger
+from tasks.outputs.common import (PredictWriter, TestRows, WorstSamples, draw_after_metrics, drawable_boxes,
+                                  predictions_dir, wandb_logger, write_worst_csv)
 
 
 def coco_records(det: dict[str, torch.Tensor], category_ids: Sequence[int], **extra) -> list[dict]:

@@ -22,10 +22,9 @@ from lightning.pytorch import Callback
 from PIL import Image
 
 from datamodules.images import read_rgb_array
-from tasks.engine.analysis import write_worst_csv
 from tasks.metrics.miou import confusion_scores
-from tasks.engine.outputs import (PredictWriter, ValidationSamples, WorstSamples, predict_dir, predictions_dir,
-                                  wandb_logger)
+from tasks.outputs.common import (PredictWriter, ValidationSamples, WorstSamples, predict_dir, predictions_dir,
+                                  wandb_logger, write_worst_csv)
 
 
 def output_name(batch: dict, k: int) -> str:

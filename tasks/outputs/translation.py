@@ -19,9 +19,8 @@ from typing import Iterator
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from tasks.engine.analysis import write_worst_csv
+from tasks.outputs.common import predictions_dir, PredictWriter, wandb_logger, write_worst_csv
 from tasks.metrics.bleu import bleu_signature, sentence_bleu, sentence_chrf
-from tasks.engine.outputs import PredictWriter, predictions_dir, wandb_logger
 
 #: the columns of ``hypotheses.tsv`` (``worst.tsv`` puts ``rank`` first)
 COLUMNS = ["line", "bleu", "chrf", "source", "reference", "hypothesis"]

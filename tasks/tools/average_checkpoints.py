@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tasks.engine.checkpoint_io import save_atomically
+from tasks.cli.checkpoint_io import save_atomically
 from tasks.engine.checkpoints import read_checkpoint
 
 #: top-level checkpoint entries that only resuming `fit` reads; an averaged checkpoint has none
@@ -39,7 +39,7 @@ TRAINING_STATE = ("optimizer_states", "lr_schedulers", "loops", "callbacks", "rn
                   "current_model_state", "averaging_state",
                   # the mixed-precision plugin's gradient scaler
                   "MixedPrecision",
-                  # the settings a resume is checked against (tasks.engine.resume)
+                  # the settings a resume is checked against (tasks.cli.resume)
                   "suite_resume")
 
 
@@ -158,7 +158,7 @@ def last_checkpoints(folder: str | Path, count: int) -> list[Path]:
 
 
 def save_checkpoint(checkpoint: dict, path: str | Path) -> Path:
-    """Write atomically (a partial file never carries the final name; see :mod:`tasks.engine.checkpoint_io`)."""
+    """Write atomically (a partial file never carries the final name; see :mod:`tasks.cli.checkpoint_io`)."""
     save_atomically(checkpoint, path)
     return Path(path)
 

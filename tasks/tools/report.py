@@ -37,7 +37,8 @@ from typing import Any, Iterable
 import numpy as np
 import yaml
 
-CONFIG_FILE_NAME = "suite_config.yaml"  # tasks.engine.cli.CONFIG_FILE_NAME, without importing Lightning
+from configs.recipes import CONFIG_FILE_NAME
+
 
 #: task -> the metrics the table shows (metrics.json key, heading, scale); the first is the main one
 TASK_METRICS = {

@@ -29,7 +29,7 @@ class is refused even so: its saved state belongs to the old one.
 exit, and one left by a dead process on the same host (or by an earlier incarnation of the same
 SLURM job, requeued onto another node) is taken over. A run root holds one run after the other too:
 a later ``fit`` there without ``--ckpt_path`` is refused before it trains, as it would overwrite the
-earlier run's ``last.ckpt`` (:class:`tasks.engine.checkpoints.LatestCheckpoint`); ``--ckpt_path last`` (the
+earlier run's ``last.ckpt`` (:class:`tasks.cli.last_checkpoint.LatestCheckpoint`); ``--ckpt_path last`` (the
 pre-emption message's command, the requeue script's) continues that run. :func:`make_run_root`
 creates the folder, naming a file that stands in its way.
 """
@@ -62,20 +62,6 @@ CONSEQUENCE = {
                   "larger batch ends this epoch early, and the schedule's steps are of another size",
     OPTIMIZATION: "the new values replace the checkpoint's from the first resumed step; the optimizer's moments are kept",
 }
-
-
-def plain(value: Any) -> Any:
-    """A config value (jsonargparse Namespaces, tuples) as plain dicts and lists."""
-    if hasattr(value, "as_dict"):
-        value = value.as_dict()
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    # a class or callable given in Python: its name (a checkpoint holds plain values only)
-    return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', repr(value))}"
 
 
 def resume_settings(config) -> dict[str, Any]:

@@ -9,7 +9,7 @@
 The run goes through the task's ``main`` with the command line the arguments spell
 (``<subcommand> [--config <config>] --<key>=<value> ...``), so the recipes merge, the checkpoint
 supplies the model and the callbacks are installed exactly as on the command line
-(:mod:`tasks.engine.cli`, :mod:`configs.recipes`). Under a multi-process strategy Lightning
+(:mod:`tasks.cli.suite`, :mod:`configs.recipes`). Under a multi-process strategy Lightning
 starts the other ranks by running this process's script again, as for any Lightning script.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def run(task: str, config: dict | str | Path | None = None, subcommand: str = "f
     Raises:
         ValueError: an unknown task or subcommand, or an argument the task's CLI refuses (its message names it).
     """
-    from tasks.engine.cli import in_process
+    from tasks.cli.suite import in_process
 
     if subcommand not in SUBCOMMANDS:
         raise ValueError(f"tasks.run: subcommand {subcommand!r} is not one of {', '.join(SUBCOMMANDS)}")

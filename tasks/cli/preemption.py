@@ -10,9 +10,9 @@ previous ones at teardown). A handler only records the signal; at the next optim
 boundary (and at an epoch end) every rank joins one all-reduce, so a signal that reached any
 rank stops all of them after the same step. A signal during the epoch's last step, or a step
 that a validation follows, stops after that validation
-(:func:`tasks.engine.checkpoints.validation_or_epoch_end_follows`), so the resumed run equals the
+(:func:`tasks.cli.last_checkpoint.validation_or_epoch_end_follows`), so the resumed run equals the
 uninterrupted one. Then ``last.ckpt`` is written (its writes are atomic:
-:mod:`tasks.engine.checkpoint_io`), rank 0 prints where and how to resume, and every rank exits with
+:mod:`tasks.cli.checkpoint_io`), rank 0 prints where and how to resume, and every rank exits with
 ``128 + signal number``: 143 for SIGTERM, 138 for SIGUSR1 (SLURM's ``--signal=USR1@<seconds>``
 warning before the time limit; give it more seconds than a validation takes).
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from tasks.engine.checkpoints import validation_or_epoch_end_follows
+from tasks.cli.last_checkpoint import validation_or_epoch_end_follows
 
 #: signals that stop `fit` unless the recipe names others (`--preemption.signals`)
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
@@ -100,7 +100,7 @@ class Preemption(Callback):
 
     @staticmethod
     def _save_last(trainer: Trainer) -> Path | None:
-        from tasks.engine.checkpoints import LatestCheckpoint
+        from tasks.cli.last_checkpoint import LatestCheckpoint
 
         latest = next((c for c in trainer.checkpoint_callbacks if isinstance(c, LatestCheckpoint)), None)
         return latest.save(trainer) if latest is not None else None

@@ -7,21 +7,21 @@ Defaults shared by all tasks (each overridable from YAML or the command line):
   wandb group (carried by the checkpoint) with the subcommand as job type; the resolved config
   goes into the run as ``suite_config.yaml``;
 - checkpoints (``--checkpoint.*``, ModelCheckpoint's arguments): a plain ModelCheckpoint keeps the
-  best on the task's main metric, and :class:`tasks.engine.checkpoints.LatestCheckpoint` writes
+  best on the task's main metric, and :class:`tasks.cli.last_checkpoint.LatestCheckpoint` writes
   ``last.ckpt`` on its own schedule (every ``every_n_train_steps`` and every epoch end) whether or
   not the metric exists yet; ``--checkpoint.save_last false`` leaves it out;
 - a per-step learning-rate monitor; a Rich progress bar on a terminal, plain progress lines
-  (:class:`tasks.engine.progress.LineProgress`) when the output goes to a file;
+  (:class:`tasks.cli.progress.LineProgress`) when the output goes to a file;
 - a fixed seed;
-- freed CPU memory kept for reuse instead of unmapped (:mod:`tasks.engine.runtime`);
+- freed CPU memory kept for reuse instead of unmapped (:mod:`tasks.cli.runtime`);
 - torch threads and loader workers (``num_workers: auto``) from the cores each rank may use, stated at
   start-up (:mod:`layers.machine`);
-- checkpoints written atomically beside their destination (:mod:`tasks.engine.checkpoint_io`);
+- checkpoints written atomically beside their destination (:mod:`tasks.cli.checkpoint_io`);
 - on ``fit``: SIGTERM / SIGUSR1 stop every rank at a step boundary with ``last.ckpt`` written and
-  exit code ``128 + signal`` (:mod:`tasks.engine.preemption`; ``--preemption.signals`` names others);
+  exit code ``128 + signal`` (:mod:`tasks.cli.preemption`; ``--preemption.signals`` names others);
   a resume whose data order, global batch, optimizer or schedule differ from the checkpoint's
   is refused unless ``--allow_changed`` names the differences, and a second ``fit`` in a run
-  root in use is refused (:mod:`tasks.engine.resume`);
+  root in use is refused (:mod:`tasks.cli.resume`);
 - a flag placed before a ``--config`` that sets the same key is refused (the recipe would win).
 
 With ``--ckpt_path`` on ``validate``/``test``/``predict`` the checkpoint supplies the model:
@@ -44,10 +44,8 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 from contextlib import contextmanager
 from contextvars import ContextVar
-from netrc import netrc
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -55,52 +53,25 @@ import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
-from layers.machine import AUTO, apply_cpu_plan, machine_cores, plan_cpu
-from tasks.engine.checkpoint_io import AtomicCheckpointIO
-from tasks.engine.checkpoints import LAST_NAME, LatestCheckpoint, check_checkpoint_file, read_checkpoint
-from tasks.engine.determinism import check_deterministic
-from tasks.engine.preemption import Preemption, resume_command
-from tasks.engine.progress import LineProgress, stdout_is_terminal
 from configs.recipes import (EXPORT, CommandLine, merge, recipe_keys, recipe_path, resolve_recipes,
-                                  split_command_line)
-from tasks.engine.resume import ResumeGuard, RunLock, make_run_root, parse_allowed, plain, resume_settings
-from tasks.engine.runtime import ThreadsFollowLoad, reuse_freed_memory
+                             split_command_line)
+from layers.machine import AUTO, apply_cpu_plan, machine_cores, plan_cpu
+from tasks.cli.checkpoint_io import AtomicCheckpointIO
+from tasks.cli.determinism import check_deterministic
+from tasks.cli.last_checkpoint import LAST_NAME, LatestCheckpoint
+from tasks.cli.loggers import SaveConfigToRun, default_logger, link_wandb_runs, logger_summary, route_loggers_to_run_root
+from tasks.cli.preemption import Preemption, resume_command
+from tasks.cli.progress import LineProgress, stdout_is_terminal
+from tasks.cli.resume import ResumeGuard, RunLock, parse_allowed, resume_settings
+from tasks.cli.runtime import ThreadsFollowLoad, reuse_freed_memory
+from tasks.engine.checkpoints import check_checkpoint_file, plain
 
 EVALUATION = ("validate", "test", "predict")
-CONFIG_FILE_NAME = "suite_config.yaml"  # wandb keeps "config.yaml" for itself
-
-
-def wandb_has_credentials() -> bool:
-    """True when wandb could log online: an API key in the environment or in ~/.netrc."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    try:
-        return netrc().authenticators("api.wandb.ai") is not None
-    except (FileNotFoundError, OSError, Exception):
-        return False
-
-
-class SaveConfigToRun(SaveConfigCallback):
-    """Store the resolved config with the run: ``suite_config.yaml`` in the wandb run's files
-    (synced with it; wandb reserves ``config.yaml``) and the values as wandb config; with no
-    wandb logger, in the run's root directory. Overwrites, so re-running a command never aborts."""
-
-    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        # runs on rank 0 only: no collective calls here (trainer.log_dir broadcasts, so it would hang DDP)
-        text = self.parser.dump(self.config, skip_none=False)
-        logger = trainer.logger
-        if isinstance(logger, WandbLogger):
-            (Path(logger.experiment.dir) / CONFIG_FILE_NAME).write_text(text)
-            logger.experiment.config.update(yaml.safe_load(text), allow_val_change=True)
-        else:
-            target = Path(trainer.default_root_dir)
-            target.mkdir(parents=True, exist_ok=True)
-            (target / CONFIG_FILE_NAME).write_text(text)
 
 
 class SuiteCLI(LightningCLI):
@@ -175,10 +146,7 @@ class SuiteCLI(LightningCLI):
         # trainer defaults as plain config, so --print_config shows them and recipes override them
         parser.set_defaults({
             "trainer.default_root_dir": f"runs/{self.task}",
-            "trainer.logger": {
-                "class_path": "lightning.pytorch.loggers.WandbLogger",
-                "init_args": {"project": f"suite-{self.task}", "offline": not wandb_has_credentials()},
-            },
+            "trainer.logger": default_logger(self.task),
             "trainer.callbacks": [
                 {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
                 {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor",
@@ -189,10 +157,10 @@ class SuiteCLI(LightningCLI):
         parser.add_argument(
             "--allow_changed", type=Optional[str], default=None,
             help="fit --ckpt_path: comma-separated settings (e.g. data.batch_size,model.optimizer) that may differ "
-                 "from the checkpoint's; without it such a resume is refused (see tasks/engine/resume.py)")
+                 "from the checkpoint's; without it such a resume is refused (see tasks/cli/resume.py)")
         parser.add_lightning_class_args(Preemption, "preemption")
         # ModelCheckpoint's arguments: the best checkpoints on the task's metric, and with save_last
-        # (on by default) last.ckpt on its own schedule (tasks.engine.checkpoints.LatestCheckpoint); both
+        # (on by default) last.ckpt on its own schedule (tasks.cli.last_checkpoint.LatestCheckpoint); both
         # are built in instantiate_trainer
         parser.add_class_arguments(ModelCheckpoint, "checkpoint", instantiate=False, fail_untyped=False)
         parser.set_defaults({
@@ -237,8 +205,8 @@ class SuiteCLI(LightningCLI):
                     f"--ckpt_path last: there is no {last} to resume from (trainer.default_root_dir="
                     f"{trainer.default_root_dir}). Run without --ckpt_path to start afresh, or point "
                     "--trainer.default_root_dir at the interrupted run.")
-        self._route_loggers_to_run_root(config)
-        self._link_wandb_runs(config)
+        route_loggers_to_run_root(config)
+        self.wandb_group = link_wandb_runs(config, self.subcommand, self.checkpoint)
         if resume_last:
             config.ckpt_path = str(last)  # this run root's, whatever callbacks the recipe lists
         if self.checkpoint is None:
@@ -282,36 +250,6 @@ class SuiteCLI(LightningCLI):
             raise ValueError(
                 f"--model.backbone.img_size {backbone_args.img_size} differs from --data.image_size {size}: the "
                 f"backbone takes the data's image size; drop --model.backbone.img_size (or set both alike)")
-
-    def _route_loggers_to_run_root(self, config) -> None:
-        # every logger writes under the run's root unless the recipe names another directory
-        # (their own defaults, "." or lightning_logs, scatter runs over the working directory)
-        loggers = config.trainer.logger
-        for logger in loggers if isinstance(loggers, list) else [loggers]:
-            init_args = getattr(logger, "init_args", None)
-            if init_args is None:
-                continue
-            key = "save_dir" if "save_dir" in init_args or not "root_dir" in init_args else "root_dir"
-            if init_args.get(key) in (None, ".", "", "lightning_logs"):
-                make_run_root(config.trainer.default_root_dir)
-                init_args[key] = config.trainer.default_root_dir
-
-    def _link_wandb_runs(self, config) -> None:
-        # fit, validate, test and predict runs of one model share a wandb group; the job type
-        # says which subcommand made each run
-        logger = config.trainer.logger
-        if not getattr(logger, "class_path", "").endswith("WandbLogger"):
-            return
-        init_args = logger.init_args
-        if init_args.get("job_type") is None:
-            init_args["job_type"] = self.subcommand or "fit"
-        if init_args.get("group") is None:
-            saved = (self.checkpoint or {}).get("wandb_group")
-            if saved is None and config.get("ckpt_path") == "last":
-                last = Path(config.checkpoint.dirpath) / LAST_NAME
-                saved = read_checkpoint(last).get("wandb_group") if last.is_file() else None
-            init_args["group"] = saved or f"{Path(config.trainer.default_root_dir).name}-{uuid.uuid4().hex[:8]}"
-        self.wandb_group = init_args["group"]
 
     def after_instantiate_classes(self) -> None:
         logger = self.trainer.logger if self.trainer is not None else None
@@ -390,11 +328,7 @@ class SuiteCLI(LightningCLI):
                 lines.append(f"best checkpoint:  {Path(ckpt.best_model_path).resolve()}{score}")
             if getattr(ckpt, "last_model_path", None):
                 lines.append(f"last checkpoint:  {Path(ckpt.last_model_path).resolve()}")
-        if isinstance(trainer.logger, WandbLogger):
-            run_dir = Path(trainer.logger.experiment.dir).parent
-            lines.append(f"wandb run:        {run_dir}")
-            if trainer.logger.experiment.settings.mode in ("offline", "dryrun"):
-                lines.append(f"                  offline; upload later with `wandb sync {run_dir}`")
+        lines += logger_summary(trainer)
         rank_zero_info("\n".join(lines))
 
     def after_test(self) -> None:
