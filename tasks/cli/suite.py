@@ -64,6 +64,7 @@ from layers.machine import AUTO, apply_cpu_plan, machine_cores, plan_cpu
 from tasks.cli.checkpoint_io import AtomicCheckpointIO
 from tasks.cli.determinism import check_deterministic
 from tasks.cli.last_checkpoint import LAST_NAME, LatestCheckpoint
+from tasks.cli.links import link_image_size, link_weights
 from tasks.cli.loggers import SaveConfigToRun, default_logger, link_wandb_runs, logger_summary, route_loggers_to_run_root
 from tasks.cli.preemption import Preemption, resume_command
 from tasks.cli.progress import LineProgress, stdout_is_terminal
@@ -210,46 +211,8 @@ class SuiteCLI(LightningCLI):
         if resume_last:
             config.ckpt_path = str(last)  # this run root's, whatever callbacks the recipe lists
         if self.checkpoint is None:
-            self._link_image_size(config)
-        self._link_weights(config)
-
-    def _link_weights(self, config) -> None:
-        """An image datamodule's ``weights`` (whose entry gives its mean and std, ``backbones/pretrained.py``)
-        are the model's: ``model.weights``, else the backbone's ``pretrained``; scoring a checkpoint, its
-        mean and std are those of the input specification the checkpoint stores. A ``--data.weights`` (or
-        ``--data.mean`` / ``--data.std``) given explicitly is kept (jsonargparse's ``link_arguments`` would
-        drop it)."""
-        data_args = getattr(config.get("data"), "init_args", None)
-        model = config.get("model")
-        if data_args is None or "weights" not in data_args or data_args.weights is not None or model is None:
-            return
-        spec = (self.checkpoint or {}).get("input_spec")
-        if spec is not None:  # a checkpoint is scored on inputs prepared as it was trained on
-            for key in ("mean", "std"):
-                if key in data_args and data_args[key] is None:
-                    data_args[key] = list(spec[key])
-            return
-        backbone_args = getattr(model.get("backbone"), "init_args", None)
-        data_args.weights = model.get("weights") or (backbone_args.get("pretrained") if backbone_args else None)
-
-    def _link_image_size(self, config) -> None:
-        """A backbone with an ``img_size`` argument (ViT) gets the data's ``image_size``: one value, not
-        two copies. An ``img_size`` set explicitly (flag or recipe) that differs is refused. With a
-        checkpoint the saved ``img_size`` is the one its weights were trained with, and is kept."""
-        backbone = config.model.get("backbone") if "model" in config else None
-        backbone_args = getattr(backbone, "init_args", None)
-        data_args = getattr(config.get("data"), "init_args", None)
-        if backbone_args is None or "img_size" not in backbone_args or data_args is None:
-            return
-        size = data_args.get("image_size")
-        if size is None:
-            return
-        if "model.backbone.img_size" not in self.given_keys:
-            backbone_args.img_size = size
-        elif _pair(backbone_args.img_size) != _pair(size):
-            raise ValueError(
-                f"--model.backbone.img_size {backbone_args.img_size} differs from --data.image_size {size}: the "
-                f"backbone takes the data's image size; drop --model.backbone.img_size (or set both alike)")
+            link_image_size(config, self.given_keys)
+        link_weights(config, self.checkpoint)
 
     def after_instantiate_classes(self) -> None:
         logger = self.trainer.logger if self.trainer is not None else None
@@ -357,10 +320,6 @@ def _uses_gpus(accelerator) -> bool:
 
 def _as_list(value) -> list:
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _pair(size) -> tuple:
-    return tuple(size) if isinstance(size, (list, tuple)) else (size, size)
 
 
 def read_checkpoint_for(command: CommandLine | Sequence[str], model_class: type) -> dict | None:
