@@ -48,6 +48,8 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
+from tasks.engine.checkpoints import plain
+
 DATA_ORDER = ("data.seed", "data.shuffle")
 GLOBAL_BATCH = ("data.batch_size", "data.max_tokens", "trainer.accumulate_grad_batches", "world_size")
 OPTIMIZATION = ("model.optimizer", "model.scheduler")
