@@ -68,7 +68,7 @@ class CommandLine:
     """A command line split into its subcommand, its recipes (the ``--config`` values, in order) and its flags."""
 
     subcommand: str | None
-    recipes: tuple[str, ...]
+    recipes: tuple[str | dict, ...]  # a file, YAML text, or (from Python: ``tasks.run``) a dict
     flags: tuple[Flag, ...]
 
     def value(self, name: str) -> str | None:
@@ -91,6 +91,20 @@ class CommandLine:
         """The flags as typed, in order, leaving out those named in ``without``."""
         left_out = set(without)
         return [token for flag in self.flags if flag.name not in left_out for token in flag.tokens]
+
+    def argv(self) -> list[str]:
+        """The command line again, recipes where they stood among the flags (a dict recipe as YAML text)."""
+        args = [self.subcommand] if self.subcommand else []
+        recipes = [r if isinstance(r, str) else yaml.safe_dump(r, sort_keys=False) for r in self.recipes]
+        placed = 0
+        for flag in self.flags:
+            for recipe in recipes[placed:flag.recipes_before]:
+                args += ["--config", recipe]
+            placed = max(placed, flag.recipes_before)
+            args += flag.tokens
+        for recipe in recipes[placed:]:
+            args += ["--config", recipe]
+        return args
 
 
 def split_command_line(argv: Sequence[str]) -> CommandLine:
@@ -257,11 +271,16 @@ def same_class(one: str, other: str) -> bool:
 
 
 def _imported(class_path: str):
-    module, _, name = class_path.rpartition(".")
     try:
-        return getattr(importlib.import_module(module), name)
+        return import_class(class_path)
     except (ImportError, AttributeError, ValueError):
         return None
+
+
+def import_class(class_path: str):
+    """The class (or any attribute) a dotted path names: ``tasks.classify.ClassificationTask``."""
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 # -- keys --------------------------------------------------------------------------------------------------------

@@ -154,12 +154,11 @@ class ClassificationTask(Predictor, TaskModule):
                 for scores, labels in zip(top_scores, top_labels)]
 
 
-def main(args=None) -> None:
-    from datamodules.imagefolder import ImageFolderDataModule
-    from tasks.cli.suite import SuiteCLI
+def main(args=None):
+    """``python -m tasks.classify fit|validate|test|predict|export``; returns what the command built."""
+    from tasks.cli.suite import main as run_command
 
-    SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
-             monitor="val/top1", args=args)
+    return run_command("classify", args)
 
 
 if __name__ == "__main__":

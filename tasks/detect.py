@@ -242,12 +242,11 @@ class DetectionTask(Predictor, TaskModule):
                 for det in detections]
 
 
-def main(args=None) -> None:
-    from datamodules.coco import CocoDataModule
-    from tasks.cli.suite import SuiteCLI
+def main(args=None):
+    """``python -m tasks.detect fit|validate|test|predict|export``; returns what the command built."""
+    from tasks.cli.suite import main as run_command
 
-    SuiteCLI(DetectionTask, CocoDataModule, task="detect", default_config="demo_ssdlite_mobilevitv2.yaml",
-             monitor="val/map", args=args)
+    return run_command("detect", args)
 
 
 if __name__ == "__main__":

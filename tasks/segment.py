@@ -207,12 +207,11 @@ class SegmentationTask(Predictor, TaskModule):
                 .to(self.label_dtype).cpu().numpy() for image, (pixels, _) in zip(images, read)]
 
 
-def main(args=None) -> None:
-    from datamodules.segmentation import SegmentationDataModule
-    from tasks.cli.suite import SuiteCLI
+def main(args=None):
+    """``python -m tasks.segment fit|validate|test|predict|export``; returns what the command built."""
+    from tasks.cli.suite import main as run_command
 
-    SuiteCLI(SegmentationTask, SegmentationDataModule, task="segment", default_config="demo_deeplabv3_convmixer.yaml",
-             monitor="val/miou", mode="max", args=args)
+    return run_command("segment", args)
 
 
 if __name__ == "__main__":

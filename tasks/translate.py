@@ -314,14 +314,13 @@ class TranslationTask(Predictor, TaskModule):
                 in enumerate(zip(batch["index"].tolist(), translations))]
 
 
-def main(args=None) -> None:
-    from datamodules.wmt import TranslationDataModule
-    from tasks.cli.suite import SuiteCLI
+def main(args=None):
+    """``python -m tasks.translate fit|validate|test|predict|export``; returns what the command built."""
+    from tasks.cli.suite import main as run_command
 
     argv = sys.argv[1:] if args is None else list(args)
     with outputs.translations_stdout("predict" in argv and "--print_config" not in argv):
-        SuiteCLI(TranslationTask, TranslationDataModule, task="translate", default_config="demo_transformer.yaml",
-                 monitor="val/bleu", mode="max", args=args)
+        return run_command("translate", args)
 
 
 if __name__ == "__main__":

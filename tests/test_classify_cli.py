@@ -187,13 +187,10 @@ QUIET = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", 
 
 
 def _classify_cli(*args):
-    from datamodules.imagefolder import ImageFolderDataModule
-    from tasks.classify import ClassificationTask
     from tasks.cli.suite import SuiteCLI
 
-    return SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
-                    monitor="val/top1", run=False, args=["--config", str(REPO / "configs/classify/demo_mobilevitv2.yaml"),
-                                                         *QUIET, *args])
+    return SuiteCLI("classify", ["--config", str(REPO / "configs/classify/demo_mobilevitv2.yaml"), *QUIET, *args],
+                    run=False)
 
 
 def test_vit_takes_the_data_image_size_without_its_own_flag(tmp_path, monkeypatch):

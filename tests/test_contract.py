@@ -406,14 +406,11 @@ def test_sync_batchnorm_recipe_evaluates_on_cpu(fitted, tmp_path):
     run_task("classify", "test", "--ckpt_path", str(ckpt), *TINY["classify"], *QUIET, *EVAL_LIMIT["classify"],
              "--trainer.sync_batchnorm", "true", cwd=tmp_path)
     # training it on CPU is refused before anything is built
-    from datamodules.imagefolder import ImageFolderDataModule
-    from tasks.classify import ClassificationTask
     from tasks.cli.suite import SuiteCLI
 
     with pytest.raises(ValueError, match="sync_batchnorm=true .*needs CUDA"):
-        SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
-                 monitor="val/top1", run=False,
-                 args=["--config", str(REPO / "configs/classify/demo_mobilevitv2.yaml"), "--trainer.sync_batchnorm", "true", *QUIET])
+        SuiteCLI("classify", ["--config", str(REPO / "configs/classify/demo_mobilevitv2.yaml"),
+                              "--trainer.sync_batchnorm", "true", *QUIET], run=False)
 
 
 # -- preemption: SIGTERM mid-epoch stops with last.ckpt and exit code 143; the resume is exact ----------
@@ -488,18 +485,15 @@ def test_resume_with_another_batch_size_or_learning_rate_is_refused(fitted, tmp_
 def test_cli_installs_atomic_checkpoints_preemption_and_the_resume_guard_and_locks_the_run_root(tmp_path, monkeypatch):
     import os
 
-    from datamodules.imagefolder import ImageFolderDataModule
     from tasks.cli.checkpoint_io import AtomicCheckpointIO
-    from tasks.classify import ClassificationTask
-    from tasks.cli.suite import SuiteCLI
     from tasks.cli.preemption import Preemption
     from tasks.cli.resume import ResumeGuard, RunInUse, RunLock
+    from tasks.cli.suite import SuiteCLI
 
     monkeypatch.chdir(tmp_path)
-    cli = SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
-                   monitor="val/top1", run=False,
-                   args=["--config", str(REPO / "configs/classify/demo_mobilevitv2.yaml"), *QUIET, *TINY["classify"],
-                         "--trainer.default_root_dir", "run", "--allow_changed", "data.batch_size, model.scheduler"])
+    cli = SuiteCLI("classify", ["--config", str(REPO / "configs/classify/demo_mobilevitv2.yaml"), *QUIET,
+                                *TINY["classify"], "--trainer.default_root_dir", "run",
+                                "--allow_changed", "data.batch_size, model.scheduler"], run=False)
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     preemption = next(c for c in cli.trainer.callbacks if isinstance(c, Preemption))
     assert preemption.resume_command.endswith(f"--trainer.default_root_dir {tmp_path / 'run'} --ckpt_path last")

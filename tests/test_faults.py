@@ -12,7 +12,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from tasks.engine import checkpoint_io
+from tasks.cli import checkpoint_io
 from tasks.engine.base import TaskModule
 from tasks.cli.checkpoint_io import AtomicCheckpointIO
 from tasks.engine.checkpoints import check_checkpoint_file

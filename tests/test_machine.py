@@ -89,22 +89,19 @@ def test_applying_a_plan_sets_torch_and_the_environment_of_later_ranks(monkeypat
 def test_each_task_cli_applies_the_plan_to_its_loaders_and_says_so(task, tmp_path, monkeypatch, caplog):
     """The real CLI of each task on a 16-core CPU (the machine faked): the training loader starts the
     plan's workers and torch runs the plan's threads; an explicit --data.num_workers wins."""
-    import importlib
-
-    from tasks.engine import cli as cli_module
+    from tasks.cli import suite as cli_module
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(machine, "_applied", None)
     forget_exported_threads(monkeypatch)
     monkeypatch.setattr(cli_module, "machine_cores", lambda: (16, 16))
-    main = importlib.import_module(f"tasks.{task}").main
     quiet = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu"]
     before = torch.get_num_threads()
     caplog.set_level("INFO")
     try:
         for flags, workers in (([], 4), (["--data.num_workers", "1"], 1)):
             machine._applied = None
-            cli = main_without_running(main, [*quiet, *flags], monkeypatch)
+            cli = main_without_running(task, [*quiet, *flags], monkeypatch)
             assert machine._applied.workers == workers and torch.get_num_threads() == 16 - workers
             cli.datamodule.setup("fit")
             assert cli.datamodule.train_dataloader().num_workers == workers
@@ -113,23 +110,13 @@ def test_each_task_cli_applies_the_plan_to_its_loaders_and_says_so(task, tmp_pat
         torch.set_num_threads(before)
 
 
-def main_without_running(main, args, monkeypatch):
-    """The SuiteCLI that a task's ``main(args)`` builds, instantiated but not run."""
-    from tasks.engine import cli as cli_module
-    from configs.recipes import recipe_path
+def main_without_running(task, args, monkeypatch):
+    """The SuiteCLI that ``python -m tasks.<task> ARGS`` builds, instantiated but not run."""
+    from configs.tasks import task_declaration
+    from tasks.cli.suite import main
 
-    built = []
-
-    class NotRunning(cli_module.SuiteCLI):
-        def __init__(self, *positional, args, **keywords):
-            # without a subcommand nothing inserts the task's demo recipe: name it
-            demo = ["--config", str(recipe_path(keywords["task"], keywords["default_config"]))]
-            super().__init__(*positional, args=[*demo, *args], **{**keywords, "run": False})
-            built.append(self)
-
-    monkeypatch.setattr(cli_module, "SuiteCLI", NotRunning)
-    main(args)
-    return built[-1]
+    # without a subcommand nothing inserts the task's demo recipe: name it
+    return main(task, ["--config", str(task_declaration(task).demo_recipe_path), *args], run=False)
 
 
 def forget_exported_threads(monkeypatch):

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from configs.tasks import is_recipe
 from tests.recipes import REPO
 
 INDEX = REPO / "configs" / "README.md"
@@ -35,7 +36,7 @@ def index_rows() -> list[dict]:
 
 
 def paper_recipes() -> set[str]:
-    return {f"{p.parent.name}/{p.name}" for p in (REPO / "configs").glob("*/*.yaml") if not p.name.startswith("demo_")}
+    return {f"{p.parent.name}/{p.name}" for p in (REPO / "configs").glob("*/*.yaml") if not p.name.startswith("demo_") and is_recipe(p)}
 
 
 def test_every_paper_recipe_has_one_row_and_every_row_an_existing_recipe():

@@ -60,12 +60,9 @@ TINY_CLASSIFY = ["--config", str(REPO / "configs/classify/demo_mobilevitv2.yaml"
 
 def classify_cli(root, *args: str):
     """The classification task's real CLI, built in this process without running a subcommand."""
-    from datamodules.imagefolder import ImageFolderDataModule
-    from tasks.classify import ClassificationTask
     from tasks.cli.suite import SuiteCLI
 
-    return SuiteCLI(ClassificationTask, ImageFolderDataModule, task="classify", default_config="demo_mobilevitv2.yaml",
-                    monitor="val/top1", run=False, args=[*TINY_CLASSIFY, "--trainer.default_root_dir", str(root), *args])
+    return SuiteCLI("classify", [*TINY_CLASSIFY, "--trainer.default_root_dir", str(root), *args], run=False)
 
 
 def test_second_fit_in_a_run_root_is_refused_unless_it_resumes(tmp_path):

@@ -10,8 +10,8 @@ under the setting instead (convolutions, ``index_put`` with accumulation, ``scat
 ``gather``, embedding and ``index_select`` backward, ``cumsum``) are allowed, and so is SDPA, whose
 flash and memory-efficient CUDA backward switch to their deterministic variant under the setting.
 
-What each task's networks run (:data:`TASK_OPS`, :data:`HEAD_OPS`) is stated per task and checked
-against the ops a real fit dispatches (``tests/test_determinism.py``, :class:`NondeterministicOpLog`);
+What each task's networks run (``cuda_nondeterministic_ops`` in its declaration, :data:`HEAD_OPS`) is stated
+per task and checked against the ops a real fit dispatches (``tests/test_determinism.py``, :class:`NondeterministicOpLog`);
 composite ops decompose above the device, so a CPU fit dispatches the same aten ops as a CUDA one.
 Only segmentation uses such ops: its logits are upsampled bilinearly to the crop before the loss and
 its loss is a per-pixel cross-entropy (``nll_loss2d``, atomics in CUDA's mean reduction); PSPNet's
@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from configs.tasks import TaskDeclaration, task_declaration
 from layers.compat import torch_dispatch_mode
 
 #: cuBLAS is deterministic only with a fixed workspace, read when CUDA creates its handle
@@ -98,18 +99,8 @@ CUDA_NONDETERMINISTIC: dict[str, tuple[str, Callable[[tuple, dict], bool]]] = {
 CUDA_NONDETERMINISTIC_OVERLOADS = {("median", "dim"): "torch.median(dim=...) (values and indices)",
                                    ("nanmedian", "dim"): "torch.nanmedian(dim=...) (values and indices)"}
 
-#: task (its ``tasks.<name>`` module) -> the ops its runs dispatch from the list above, each with where
-#: it comes from and whether only training (backward) runs it
-TASK_OPS: dict[str, dict[str, tuple[str, bool]]] = {
-    "classify": {},
-    "detect": {},  # SSDLite's 1x1 global pooling is a mean; its loss reduces with reduction='none' first
-    "segment": {
-        "upsample_bilinear2d_backward": ("the logits upsampled bilinearly to the crop before the loss", True),
-        "nll_loss2d_forward": ("the per-pixel cross-entropy (the training and evaluation loss)", False),
-    },
-    "translate": {},
-}
-#: a head's class path -> the ops it adds, as in :data:`TASK_OPS`
+#: a head's class path -> the ops it adds, as a task declares its own (``cuda_nondeterministic_ops`` in
+#: ``configs/<task>/task.yaml``): op -> (where it comes from, whether only training runs it)
 HEAD_OPS: dict[str, dict[str, tuple[str, bool]]] = {
     "heads.pspnet.PSPNet": {
         "_adaptive_avg_pool2d_backward": ("PSPNet's pyramid pooling to 2x2, 3x3 and 6x6", True),
@@ -150,15 +141,20 @@ class NondeterministicOpLog(torch_dispatch_mode()):
         return func(*args, **kwargs)
 
 
-def task_name(task: str | type) -> str:
-    """``"segment"`` for ``tasks.segment.SegmentationTask`` (the class or its name as ``tasks.<name>``)."""
+def task_name(task: str | type | TaskDeclaration) -> str:
+    """``"segment"`` for ``tasks.segment.SegmentationTask`` (the class, its declaration, or its name)."""
+    if isinstance(task, TaskDeclaration):
+        return task.name
     return task if isinstance(task, str) else task.__module__.rsplit(".", 1)[-1]
 
 
-def run_ops(task: str | type, head: str | None = None, training: bool = True) -> dict[str, str]:
-    """The ops without a deterministic CUDA kernel that ``task`` runs (with ``head``'s class path), each
-    with where it comes from; ``training=False``: only those an evaluation (forward) runs."""
-    declared = {**TASK_OPS.get(task_name(task), {}), **HEAD_OPS.get(head or "", {})}
+def run_ops(task: str | type | TaskDeclaration, head: str | None = None, training: bool = True) -> dict[str, str]:
+    """The ops without a deterministic CUDA kernel that ``task`` runs (as its declaration states them, with
+    ``head``'s class path), each with where it comes from; ``training=False``: only those an evaluation
+    (forward) runs."""
+    declaration = task if isinstance(task, TaskDeclaration) else task_declaration(task_name(task))
+    declared = {op: (entry.where, entry.training_only) for op, entry in declaration.cuda_nondeterministic_ops.items()}
+    declared |= HEAD_OPS.get(head or "", {})
     return {op: where for op, (where, backward_only) in declared.items() if training or not backward_only}
 
 
@@ -170,8 +166,8 @@ def uses_cuda(accelerator: Any) -> bool:
     return name in ("gpu", "cuda") or (name == "auto" and torch.cuda.is_available())
 
 
-def deterministic_refusal(task: str | type, deterministic: Any, accelerator: Any, head: str | None = None,
-                          subcommand: str | None = "fit") -> str | None:
+def deterministic_refusal(task: str | type | TaskDeclaration, deterministic: Any, accelerator: Any,
+                          head: str | None = None, subcommand: str | None = "fit") -> str | None:
     """Why ``--trainer.deterministic true`` cannot run ``task`` on ``accelerator``, or None when it can
     (or was not asked for: ``warn`` never raises)."""
     if deterministic is not True or not uses_cuda(accelerator) or subcommand == "predict":
@@ -186,7 +182,7 @@ def deterministic_refusal(task: str | type, deterministic: Any, accelerator: Any
             "(--trainer.accelerator cpu) for bit-identical runs.")
 
 
-def check_deterministic(subcommand: str | None, trainer: Any, model: Any, task: str | type) -> None:
+def check_deterministic(subcommand: str | None, trainer: Any, model: Any, task: str | type | TaskDeclaration) -> None:
     """The CLI's check before anything is built: refuses a deterministic run that CUDA cannot give
     (:func:`deterministic_refusal`) and, for one it can, fixes cuBLAS's workspace before CUDA starts
     (a later setting is read too late by a process that already made a cuBLAS handle)."""

@@ -27,6 +27,7 @@ from pathlib import Path
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from configs.recipes import CommandLine
 from tasks.cli.last_checkpoint import validation_or_epoch_end_follows
 
 #: signals that stop `fit` unless the recipe names others (`--preemption.signals`)
@@ -119,8 +120,9 @@ class Preemption(Callback):
         return "\n".join(lines)
 
 
-def resume_command(task: str, argv: list[str], root: str) -> str:
+def resume_command(task: str, argv: list[str] | CommandLine, root: str) -> str:
     """The user's ``fit`` command with ``--ckpt_path last`` and the run root made explicit."""
+    argv = argv.argv() if isinstance(argv, CommandLine) else argv
     args, skip = [], False
     for i, arg in enumerate(argv):
         if skip:

@@ -6,33 +6,31 @@
     test = tasks.run("classify", subcommand="test", ckpt_path=fit["last_checkpoint"])
     test["metrics"]["test/top1"]
 
-The run goes through the task's ``main`` with the command line the arguments spell
-(``<subcommand> [--config <config>] --<key>=<value> ...``), so the recipes merge, the checkpoint
-supplies the model and the callbacks are installed exactly as on the command line
-(:mod:`tasks.cli.suite`, :mod:`configs.recipes`). Under a multi-process strategy Lightning
+The run goes through the same entry as ``python -m tasks.<task>`` (:func:`tasks.cli.suite.main`) with the
+command line the arguments spell (``<subcommand> [--config <config>] --<key>=<value> ...``, a dict config
+merged as it is), so the recipes merge, the checkpoint supplies the model and the callbacks are installed
+exactly as on the command line (:mod:`configs.recipes`). Under a multi-process strategy Lightning
 starts the other ranks by running this process's script again, as for any Lightning script.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import pkgutil
 import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from configs.recipes import SUBCOMMANDS
+from configs.recipes import SUBCOMMANDS, CommandLine, Flag
+from configs.tasks import task_declaration
 
 
 def run(task: str, config: dict | str | Path | None = None, subcommand: str = "fit", **overrides: Any) -> dict:
-    """Run ``subcommand`` of ``task`` (``"classify"``, ``"detect"``, ``"segment"``, ``"translate"``).
+    """Run ``subcommand`` of ``task`` (a name declared in ``configs/<task>/task.yaml``: ``"classify"``,
+    ``"detect"``, ``"segment"``, ``"translate"``).
 
     Args:
         config: a recipe (a path, or a dict written as a recipe is; ``None``: the task's demo recipe). Without
-            ``base:`` it overlays the demo recipe, as ``--config`` does.
+            ``base:`` it overlays the demo recipe, as ``--config`` does. A dict is merged as it is.
         overrides: dotted keys as the command line's flags name them, ``**{"trainer.max_steps": 2}`` or
             ``trainer__max_steps=2``; ``ckpt_path="last"`` too. Values are Python values (a class as
             ``{"class_path": ..., "init_args": ...}``) or strings read as the command line reads them.
@@ -45,43 +43,31 @@ def run(task: str, config: dict | str | Path | None = None, subcommand: str = "f
     Raises:
         ValueError: an unknown task or subcommand, or an argument the task's CLI refuses (its message names it).
     """
-    from tasks.cli.suite import in_process
+    from tasks.cli.suite import main
 
     if subcommand not in SUBCOMMANDS:
         raise ValueError(f"tasks.run: subcommand {subcommand!r} is not one of {', '.join(SUBCOMMANDS)}")
-    main = task_main(task)
-    args = command_line(subcommand, config, overrides)
+    task_declaration(task)  # an unknown task is refused, naming the declared ones
     wandb_before = _wandb_run()
     try:
-        with in_process() as built:
-            main(args)
+        cli = main(task, command_line(subcommand, config, overrides), exit_on_error=False)
     except argparse.ArgumentError as err:
         raise ValueError(f"tasks.run({task!r}, subcommand={subcommand!r}): {err}") from None
     finally:
         wandb_after = _wandb_run()
         if wandb_after is not None and wandb_after is not wandb_before:
             wandb_after.finish()  # the next run in this process starts its own wandb run
-    return results(built[-1])
+    return results(cli)
 
 
-def task_main(task: str):
-    """The ``main`` of ``tasks/<task>.py``."""
-    import tasks
-
-    names = sorted(m.name for m in pkgutil.iter_modules(tasks.__path__) if not m.ispkg and not m.name.startswith("_"))
-    if task not in names:
-        raise ValueError(f"tasks.run: no task {task!r}; the tasks are {', '.join(names)}")
-    return importlib.import_module(f"tasks.{task}").main
-
-
-def command_line(subcommand: str, config: dict | str | Path | None, overrides: dict[str, Any]) -> list[str]:
-    """The task's command line for :func:`run`'s arguments."""
-    args = [subcommand]
-    if config is not None:
-        args += ["--config", yaml.safe_dump(config, sort_keys=False) if isinstance(config, dict) else str(config)]
+def command_line(subcommand: str, config: dict | str | Path | None, overrides: dict[str, Any]) -> CommandLine:
+    """The task's command line for :func:`run`'s arguments; a dict config is a recipe as it is."""
+    recipes = () if config is None else (config if isinstance(config, dict) else str(config),)
+    flags = []
     for key, value in overrides.items():
-        args.append(f"--{key.replace('__', '.')}={flag_value(value)}")
-    return args
+        name, text = key.replace("__", "."), flag_value(value)
+        flags.append(Flag(name, (text,), (f"--{name}={text}",), len(recipes)))
+    return CommandLine(subcommand, recipes, tuple(flags))
 
 
 def flag_value(value: Any) -> str:

@@ -44,13 +44,11 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import yaml
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
@@ -58,49 +56,63 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
-from configs.recipes import (EXPORT, CommandLine, merge, recipe_keys, recipe_path, resolve_recipes,
-                             split_command_line)
+from configs.recipes import EXPORT, CommandLine, import_class, merge, recipe_keys, resolve_recipes, split_command_line
+from configs.tasks import TaskDeclaration, task_declaration
 from layers.machine import AUTO, apply_cpu_plan, machine_cores, plan_cpu
 from tasks.cli.checkpoint_io import AtomicCheckpointIO
 from tasks.cli.determinism import check_deterministic
 from tasks.cli.last_checkpoint import LAST_NAME, LatestCheckpoint
 from tasks.cli.links import link_image_size, link_weights
-from tasks.cli.loggers import SaveConfigToRun, default_logger, link_wandb_runs, logger_summary, route_loggers_to_run_root
+from tasks.cli.loggers import (SaveConfigToRun, default_logger, link_wandb_runs, logger_summary,
+                              route_loggers_to_run_root)
 from tasks.cli.preemption import Preemption, resume_command
 from tasks.cli.progress import LineProgress, stdout_is_terminal
 from tasks.cli.resume import ResumeGuard, RunLock, parse_allowed, resume_settings
 from tasks.cli.runtime import ThreadsFollowLoad, reuse_freed_memory
 from tasks.engine.checkpoints import check_checkpoint_file, plain
 
+if TYPE_CHECKING:
+    from tasks.export.onnx import ExportReport
+
 EVALUATION = ("validate", "test", "predict")
 
 
+def main(task: str, args: Sequence[str] | CommandLine | None = None, *, run: bool = True,
+         exit_on_error: bool = True) -> "SuiteCLI | ExportReport":
+    """``python -m tasks.<task> ...``: what the command built (the CLI, or the export's report).
+
+    ``export`` needs no Trainer and is answered here, before any CLI exists; every other subcommand is a
+    :class:`SuiteCLI`. ``args`` is the command line (``sys.argv[1:]`` when ``None``) or its split form, whose
+    recipes may be dicts (``tasks.run``); ``exit_on_error=False`` raises a bad argument instead of exiting."""
+    declaration = task_declaration(task)
+    command = args if isinstance(args, CommandLine) else split_command_line(sys.argv[1:] if args is None else args)
+    if command.subcommand == EXPORT:
+        from tasks.export.command import run_export
+
+        return run_export(command, import_class(declaration.module), prog=f"python -m tasks.{task} {EXPORT}")
+    return SuiteCLI(declaration, command, run=run, exit_on_error=exit_on_error)
+
+
 class SuiteCLI(LightningCLI):
-    """LightningCLI with the suite's defaults. The model's ``DATA_LINKS`` (datamodule attribute ->
-    constructor argument) are linked on ``fit`` and on evaluations without a checkpoint; with a
-    checkpoint they come from it, and the task checks them against the data it scores."""
+    """LightningCLI with the suite's defaults for the task ``declaration`` names (``configs/<task>/task.yaml``).
+    The model's ``DATA_LINKS`` (datamodule attribute -> constructor argument) are linked on ``fit`` and on
+    evaluations without a checkpoint; with a checkpoint they come from it, and the task checks them against
+    the data it scores."""
 
-    def __init__(self, model_class: type[LightningModule], datamodule_class: type[LightningDataModule], *,
-                 task: str, default_config: str, monitor: str, mode: str = "max",
-                 args: Sequence[str] | None = None, run: bool = True):
+    def __init__(self, declaration: TaskDeclaration | str, command: CommandLine | Sequence[str], *,
+                 run: bool = True, exit_on_error: bool = True):
         reuse_freed_memory()
-        self.task = task
-        argv = list(sys.argv[1:] if args is None else args)
-        self.user_argv = list(argv)  # as typed: for the resume command
-        self.monitor = monitor
-        self.mode = mode
-        self.trainer = None
-        in_process = _in_process.get()
-        if in_process is not None:
-            in_process.append(self)
-        command = split_command_line(argv)
+        declaration = task_declaration(declaration) if isinstance(declaration, str) else declaration
+        command = command if isinstance(command, CommandLine) else split_command_line(command)
         if command.subcommand == EXPORT:
-            from tasks.export.command import run_export
-
-            self.export_report = run_export(command, model_class, prog=f"python -m tasks.{task} export")
-            return
+            raise ValueError(f"{EXPORT} builds no Trainer: run it through tasks.cli.suite.main")
+        model_class = import_class(declaration.module)
+        self.task = declaration.name
+        self.declaration = declaration
+        self.user_command = command  # as typed: for the resume command
+        self.trainer = None
         self.checkpoint = read_checkpoint_for(command, model_class)
-        config = resolve_recipes(command, recipe_path(task, default_config))
+        config = resolve_recipes(command, declaration.demo_recipe_path)
         if self.checkpoint is not None:
             config = merge(config, {"model": checkpoint_arguments(self.checkpoint)})
         self.given_keys = recipe_keys(config) | {flag.key for flag in command.flags}
@@ -111,10 +123,10 @@ class SuiteCLI(LightningCLI):
         # exits while parsing, before that merge: there it stays, so the printout shows it.
         kept_out = (self.checkpoint is not None or command.subcommand == "fit") and not command.print_config
         self.checkpoint_path = _path_or_none(command.ckpt_path) if kept_out else None
+        # the parser's one input is a command line: the merged config goes to it as one YAML text
         self.resolved_args = [*([command.subcommand] if command.subcommand else []),
                               *(["--config", yaml.safe_dump(config, sort_keys=False)] if config else []),
                               *command.tokens(without=["ckpt_path"] if kept_out else [])]
-        self.default_datamodule = f"{datamodule_class.__module__}.{datamodule_class.__qualname__}"
         self.links = {} if self.checkpoint is not None else dict(getattr(model_class, "DATA_LINKS", {}))
         self.wandb_group = None
         # any datamodule class can be chosen from YAML or `--data path.to.Class` (a dataset format is one
@@ -127,11 +139,10 @@ class SuiteCLI(LightningCLI):
             save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
             seed_everything_default=0,
             auto_configure_optimizers=False,  # optimizer/scheduler are model arguments
-            # export is answered above, before any parsing; `--help` names it here. In process (tasks.run) a
-            # bad argument is an exception, not an exit
+            # export is answered by main(), before any parsing; `--help` names it here
             parser_kwargs={"epilog": f"{EXPORT}: export the checkpoint's model to ONNX and check it against PyTorch "
-                                     f"with ONNX Runtime (python -m tasks.{task} {EXPORT} --help)",
-                           **({"exit_on_error": False} if in_process is not None else {})},
+                                     f"with ONNX Runtime (python -m tasks.{self.task} {EXPORT} --help)",
+                           **({} if exit_on_error else {"exit_on_error": False})},
             args=self.resolved_args,
             run=run,
         )
@@ -154,7 +165,7 @@ class SuiteCLI(LightningCLI):
                  "init_args": {"logging_interval": "step"}},
             ],
         })
-        parser.set_defaults({"data": {"class_path": self.default_datamodule}})
+        parser.set_defaults({"data": {"class_path": self.declaration.datamodule}})
         parser.add_argument(
             "--allow_changed", type=Optional[str], default=None,
             help="fit --ckpt_path: comma-separated settings (e.g. data.batch_size,model.optimizer) that may differ "
@@ -165,8 +176,8 @@ class SuiteCLI(LightningCLI):
         # are built in instantiate_trainer
         parser.add_class_arguments(ModelCheckpoint, "checkpoint", instantiate=False, fail_untyped=False)
         parser.set_defaults({
-            "checkpoint.monitor": self.monitor,
-            "checkpoint.mode": self.mode,
+            "checkpoint.monitor": self.declaration.monitor,
+            "checkpoint.mode": self.declaration.mode,
             "checkpoint.save_last": True,
             "checkpoint.filename": "best-{epoch:03d}-{step}",
             "checkpoint.auto_insert_metric_name": False,
@@ -177,7 +188,7 @@ class SuiteCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         trainer = config.trainer
-        check_deterministic(self.subcommand, trainer, config.get("model"), self.model_class)
+        check_deterministic(self.subcommand, trainer, config.get("model"), self.declaration)
         if self.checkpoint_path is not None:
             config.ckpt_path = self.checkpoint_path  # kept out of parsing: see __init__
         # one checkpoint directory per run root, so `--ckpt_path last` finds the interrupted run
@@ -220,7 +231,7 @@ class SuiteCLI(LightningCLI):
             self.model.wandb_group = self.wandb_group  # the WandbLogger's group (set above), carried by checkpoints
         for callback in self.trainer.callbacks if self.trainer is not None else []:
             if isinstance(callback, Preemption):
-                callback.resume_command = resume_command(self.task, self.user_argv, self.trainer.default_root_dir)
+                callback.resume_command = resume_command(self.task, self.user_command, self.trainer.default_root_dir)
 
     def before_fit(self) -> None:
         # one fit per run root: a second one would write last-v1.ckpt and overwrite the first's config.
@@ -348,18 +359,3 @@ def checkpoint_arguments(checkpoint: dict) -> dict:
 
 def _path_or_none(value: str | None) -> str | None:
     return None if value in (None, "null", "None") else value
-
-
-#: the SuiteCLI objects built inside :func:`in_process` (``tasks.run`` reads its run's results from them)
-_in_process: ContextVar[list | None] = ContextVar("suite_cli_in_process", default=None)
-
-
-@contextmanager
-def in_process() -> Iterator[list["SuiteCLI"]]:
-    """Collect the CLIs a task's ``main`` builds in this block; their bad arguments raise instead of exiting."""
-    built: list[SuiteCLI] = []
-    token = _in_process.set(built)
-    try:
-        yield built
-    finally:
-        _in_process.reset(token)
