@@ -6,11 +6,11 @@ where the suite reads it, which key mapping of :mod:`backbones.weights` converts
 prepared for it (:class:`Preprocessing`: mean, std, input size, evaluation resize and crop, interpolation):
 what timm keeps in a ``pretrained_cfg`` and torchvision in a ``Weights`` enum's ``transforms`` and ``meta``.
 
-A backbone's ``pretrained`` (and the classifier's ``weights``) is an entry's name or a checkpoint file. The
-image datamodules take the same value as their ``weights`` argument and normalise as :func:`preprocessing_of`
-says those weights were trained (:func:`datamodules.input_spec.normalization`), so the weights and their
-preprocessing cannot drift apart. For a file, :func:`preprocessing_of` reads what the file holds: our
-checkpoints carry their input specification; a CVNets or timm file is recognised by its keys.
+A backbone's ``pretrained`` (and the classifier's ``weights``) is an entry's name or a checkpoint file. What
+a file says about its input is read by :func:`backbones.weights.preprocessing_of`, which knows the file
+formats; this module only holds the registry and reads no file, so :mod:`backbones.weights` imports it and
+not the other way round. Which input a model takes, with the values a user gives, is decided once by
+:func:`datamodules.input_spec.resolve_preprocessing`.
 
 Nothing is downloaded at run time. Put the file at the entry's ``file`` (relative to the working directory):
 CVNets' model-zoo file as it is, or, for a timm tag, ``torch.save(timm.create_model(name,
@@ -30,7 +30,8 @@ from layers.registry import Registry
 
 Triple = tuple[float, float, float]
 
-#: ImageNet's channel mean and std of pixels in [0, 1] (torchvision's and timm's IMAGENET_DEFAULT_*)
+#: ImageNet's channel mean and std of pixels in [0, 1] (torchvision's and timm's IMAGENET_DEFAULT_*); the suite's
+#: one copy: the datamodules normalise with it where no weights say otherwise
 IMAGENET_MEAN: Triple = (0.485, 0.456, 0.406)
 IMAGENET_STD: Triple = (0.229, 0.224, 0.225)
 #: pixels in [0, 1] as they are: CVNets trains without normalising (its ``ToTensor`` only divides by 255)
@@ -62,6 +63,15 @@ class Preprocessing:
                     interpolation: str) -> "Preprocessing":
         """From timm's terms: the short side resized to ``input_size / crop_pct``, rounded down as timm does."""
         return cls(mean, std, input_size, math.floor(input_size / crop_pct), interpolation)
+
+    @classmethod
+    def from_input_spec(cls, spec: Mapping[str, Any]) -> "Preprocessing":
+        """From the input specification a checkpoint of this suite stores (``checkpoint["input_spec"]``, the
+        plain values of :meth:`datamodules.input_spec.InputSpec.to_dict`). Only a centre-crop policy has a
+        short side to resize to before the crop; the others' ``resize_size`` means something else."""
+        center_crop = spec.get("resize") == "center_crop"
+        return cls(spec["mean"], spec["std"], spec.get("image_size"),
+                   spec.get("resize_size") if center_crop else None, spec.get("interpolation"))
 
 
 @dataclass(frozen=True)
@@ -115,41 +125,6 @@ def weights_file(pretrained: str) -> Path:
     """The file ``pretrained`` names: a registered entry's ``file``, or the path itself."""
     entry = find_weights(pretrained)
     return Path(entry.file if entry is not None else pretrained).expanduser()
-
-
-def preprocessing_of(pretrained: str | None) -> Preprocessing | None:
-    """How images were prepared for the weights ``pretrained`` (a registered name or a checkpoint file);
-    ``None`` without weights or where the file does not tell (a bare state dict of ours, a checkpoint
-    written without an input specification, timm weights whose tags disagree)."""
-    entry = find_weights(pretrained)
-    if entry is not None:
-        return entry.preprocessing
-    if not pretrained:
-        return None
-    from backbones.weights import read_checkpoint
-
-    return preprocessing_in(read_checkpoint(Path(pretrained).expanduser(), mmap=True))
-
-
-def preprocessing_in(checkpoint: Mapping) -> Preprocessing | None:
-    """What a loaded checkpoint file says about its input: the input specification our tasks store
-    (``checkpoint["input_spec"]``), else the preprocessing every registered entry of the naming its keys
-    have (CVNets', timm's) agrees on."""
-    spec = checkpoint.get("input_spec") if isinstance(checkpoint, Mapping) else None
-    if isinstance(spec, Mapping):
-        center_crop = spec.get("resize") == "center_crop"
-        return Preprocessing(spec["mean"], spec["std"], spec.get("image_size"),
-                             spec.get("resize_size") if center_crop else None, spec.get("interpolation"))
-    import backbones  # noqa: F401  (every backbone family registers its converters on import)
-    from backbones.weights import CONVERTERS, state_dict_in
-
-    state_dict = state_dict_in(checkpoint)
-    naming = {tuple(key.split("/")) for key, (detect, _) in CONVERTERS.items() if detect(state_dict)}
-    known = {entry.preprocessing for _, entry in PRETRAINED.items() if (entry.backbone, entry.converter) in naming}
-    if len(known) == 1:
-        return known.pop()
-    normalisations = {(p.mean, p.std) for p in known}
-    return Preprocessing(*normalisations.pop()) if len(normalisations) == 1 else None
 
 
 # -- CVNets' ImageNet-1k classifiers at 256 x 256 ----------------------------------------------------------------

@@ -9,7 +9,8 @@ takes its classifier from it with :func:`classifier_state`);
 ``load_pretrained(backbone, pretrained)`` loads its backbone part, refusing with the
 lists of missing / unexpected / misshaped keys when it does not fit. ``pretrained`` is a
 checkpoint path or the name of registered weights (:mod:`backbones.pretrained`, which also
-states the input each set of weights was trained on).
+states the input each set of weights was trained on). :func:`preprocessing_of` says what input
+a name or a file was trained on (a file by what it holds).
 
 Foreign formats are recognised per backbone by registered converters: the file
 that defines a backbone family registers its key mappings, e.g. ``backbones/vit.py``::
@@ -31,7 +32,7 @@ from typing import Callable, Mapping
 import torch
 import torch.nn as nn
 
-from backbones.pretrained import PretrainedWeights, Preprocessing, find_weights, preprocessing_in, weights_file
+from backbones.pretrained import PRETRAINED, PretrainedWeights, Preprocessing, find_weights, weights_file
 from backbones.registry import BACKBONES
 from layers.registry import Registry
 
@@ -81,9 +82,11 @@ def backbone_name(backbone: nn.Module) -> str:
     raise KeyError(f"{type(backbone).__name__} is not a registered backbone; valid names: {valid}")
 
 
-def read_checkpoint(path: str | Path, mmap: bool = False) -> Mapping:
-    """The object a checkpoint file holds, read with ``torch.load(weights_only=True)``; ``mmap`` maps the
-    tensors instead of reading them (for a look at the keys or the stored input specification)."""
+def read_weights_file(path: str | Path, mmap: bool = False) -> Mapping:
+    """The object a weights file holds (ours, timm's or CVNets'), read with ``torch.load(weights_only=True)``;
+    ``mmap`` maps the tensors instead of reading them (for a look at the keys or the stored input
+    specification). A checkpoint this suite evaluates or resumes is read by
+    :func:`tasks.engine.checkpoints.read_checkpoint` instead, which checks what a task needs of it."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
@@ -97,7 +100,7 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> Mapping:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except RuntimeError as err:
         if mmap and "mmap" in str(err):  # a file in torch's legacy (non-zip) format cannot be mapped
-            return read_checkpoint(path)
+            return read_weights_file(path)
         raise _unreadable(path, err) from err
     except Exception as err:  # weights_only refuses pickled objects other than tensors/containers
         raise _unreadable(path, err) from err
@@ -122,9 +125,38 @@ def state_dict_in(obj: Mapping) -> StateDict:
     return dict(obj)
 
 
+def preprocessing_of(pretrained: str | None) -> Preprocessing | None:
+    """How images were prepared for the weights ``pretrained`` (a registered name or a checkpoint file);
+    ``None`` without weights or where the file does not tell (a bare state dict of ours, a checkpoint
+    written without an input specification, timm weights whose tags disagree)."""
+    entry = find_weights(pretrained)
+    if entry is not None:
+        return entry.preprocessing
+    if not pretrained:
+        return None
+    return preprocessing_in(read_weights_file(Path(pretrained).expanduser(), mmap=True))
+
+
+def preprocessing_in(checkpoint: Mapping) -> Preprocessing | None:
+    """What a loaded checkpoint file says about its input: the input specification our tasks store
+    (``checkpoint["input_spec"]``), else the preprocessing every registered entry of the naming its keys
+    have (CVNets', timm's) agrees on."""
+    spec = checkpoint.get("input_spec") if isinstance(checkpoint, Mapping) else None
+    if isinstance(spec, Mapping):
+        return Preprocessing.from_input_spec(spec)
+    # CONVERTERS is complete here: importing this module ran backbones/__init__.py, which imports every family
+    state_dict = state_dict_in(checkpoint)
+    naming = {tuple(key.split("/")) for key, (detect, _) in CONVERTERS.items() if detect(state_dict)}
+    known = {entry.preprocessing for _, entry in PRETRAINED.items() if (entry.backbone, entry.converter) in naming}
+    if len(known) == 1:
+        return known.pop()
+    normalisations = {(p.mean, p.std) for p in known}
+    return Preprocessing(*normalisations.pop()) if len(normalisations) == 1 else None
+
+
 def read_state_dict(path: str | Path) -> StateDict:
-    """Tensors of a checkpoint file (:func:`read_checkpoint`, :func:`state_dict_in`)."""
-    state_dict = state_dict_in(read_checkpoint(path))
+    """Tensors of a checkpoint file (:func:`read_weights_file`, :func:`state_dict_in`)."""
+    state_dict = state_dict_in(read_weights_file(path))
     if not state_dict:
         raise ValueError(f"{path} holds no state dict (a mapping of names to tensors)")
     return state_dict
@@ -209,7 +241,7 @@ def load_pretrained(backbone: nn.Module, pretrained: str | Path) -> StateDict:
                 f"Nothing is downloaded at run time: get the {entry.converter} file from {entry.url} on a machine "
                 f"with internet and put it at {path}, or pass its path as the option, or null to start from "
                 "random weights.")
-    checkpoint = read_checkpoint(path)
+    checkpoint = read_weights_file(path)
     state_dict = state_dict_in(checkpoint)
     if not state_dict:
         raise ValueError(f"{source} holds no state dict (a mapping of names to tensors)")

@@ -44,8 +44,6 @@ from torch.utils.data import default_collate
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 OnBadImage = Literal["fail", "skip"]
 
@@ -62,10 +60,6 @@ class BadImageError(RuntimeError):
 def is_hidden(path: Path) -> bool:
     """Dot-files and dot-folders (``.ipynb_checkpoints``, ``.git``, macOS ``._x.jpg``) are never data."""
     return path.name.startswith(".")
-
-
-def is_image_file(path: Path) -> bool:
-    return path.suffix.lower() in IMAGE_EXTENSIONS and not is_hidden(path) and path.is_file()
 
 
 class SkippedFiles:

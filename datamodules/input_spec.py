@@ -15,25 +15,30 @@ The three evaluation policies of the suite:
   logits are upsampled back to the original size (:func:`datamodules.segmentation_transforms.eval_transform`).
   ``image_size`` is then the training crop, the size FLOPs are counted and graphs exported at.
 
-Pixels are RGB, scaled to [0, 1] and normalised: ``(pixel / 255 - mean) / std``, with the mean and std of
-the weights the network starts from (:func:`normalization`: a datamodule's ``weights`` argument names them,
-and :mod:`backbones.pretrained` says what input they were trained on); ``mean`` / ``std`` given explicitly
-win. :meth:`InputSpec.of_weights` is the whole evaluation input a set of registered weights was published
-with. The spec travels in the checkpoint as :meth:`InputSpec.to_dict` (plain values, readable with
-``weights_only=True``). What sizes a network takes besides its own is the backbone's ``size_multiple``,
-not the data's.
+Pixels are RGB, scaled to [0, 1] and normalised: ``(pixel / 255 - mean) / std``. Which mean and std (and,
+where known, input size, evaluation resize and interpolation) a model takes is decided in one place,
+:func:`resolve_preprocessing` (timm's ``resolve_data_config(model=...)``): from the weights the network starts
+from (a name registered in :mod:`backbones.pretrained` or a file that says how it was trained) or from the
+input specification a checkpoint stores; ``mean`` / ``std`` given explicitly win, and one the weights or the
+checkpoint contradict is warned about. Every reader asks it: the datamodules (:func:`normalization`, told
+the model's weights or the checkpoint's specification by ``tasks/cli/links.py``), a checkpoint's model
+(:func:`stored_input_spec`, :class:`tasks.engine.predictor.Predictor`) and ``export``
+(``tasks/export/command.py``). :meth:`InputSpec.of_weights` is the whole evaluation input a set of
+registered weights was published with. The spec travels in the checkpoint as :meth:`InputSpec.to_dict`
+(plain values, readable with ``weights_only=True``). What sizes a network takes besides its own is the
+backbone's ``size_multiple``, not the data's.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Literal, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from datamodules.images import IMAGENET_MEAN, IMAGENET_STD
+from backbones.pretrained import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 
 Resize = Literal["center_crop", "square", "short_side"]
 RESIZES = ("center_crop", "square", "short_side")
@@ -93,8 +98,10 @@ class InputSpec:
         interpolation, mean and std (timm's ``resolve_data_config``, torchvision's ``Weights.transforms()``)."""
         from backbones.pretrained import PRETRAINED
 
-        entry = PRETRAINED.get(weights).preprocessing
-        return cls("center_crop", entry.input_size, entry.resize_size, entry.mean, entry.std, entry.interpolation)
+        PRETRAINED.get(weights)  # a registered name, or the error that lists them
+        trained = resolve_preprocessing(weights)
+        return cls("center_crop", trained.input_size, trained.resize_size, trained.mean, trained.std,
+                   trained.interpolation)
 
     # -- in the checkpoint ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -145,29 +152,67 @@ def input_spec_of(datamodule, fallback=None) -> InputSpec | None:
     return spec
 
 
-def normalization(weights: str | None = None, mean: Sequence[float] | None = None,
-                  std: Sequence[float] | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """``(mean, std)`` an image datamodule normalises with: each given value wins; the rest comes from the
-    input ``weights`` were trained on (a name registered in :mod:`backbones.pretrained` or a checkpoint file,
-    :func:`backbones.pretrained.preprocessing_of`), else ImageNet's (no weights, or weights that do not say).
-    A given value the weights contradict is warned about, and so are weights whose input is not known."""
-    given = {"mean": mean, "std": std}
-    trained = None
-    if weights:
-        from backbones.pretrained import preprocessing_of
+def resolve_preprocessing(weights: str | None = None, stored: InputSpec | Mapping[str, Any] | None = None,
+                          mean: Sequence[float] | None = None,
+                          std: Sequence[float] | None = None) -> Preprocessing:
+    """Which input a model takes: its mean and std, and its input size, evaluation resize and interpolation
+    where they are known (``None`` where not). The one answer every reader asks (see the module docstring).
 
-        trained = preprocessing_of(weights)
+    What the model was trained on is ``stored``, the input specification a checkpoint of this suite carries
+    (an :class:`InputSpec` or its :meth:`~InputSpec.to_dict`), else what ``weights`` were trained on (the
+    model's ``weights`` or its backbone's ``pretrained``: a registered name, or a file that says,
+    :func:`backbones.weights.preprocessing_of`). A checkpoint's specification comes first because its own
+    weights replace those its training started from. ``mean`` / ``std`` given explicitly win; the rest
+    is the trained input's, else ImageNet's (no weights, or weights that do not say).
+
+    Warns when a given value differs from the trained one (the network would see inputs unlike its
+    training), and when ``weights`` do not say their input while a value is left to the default."""
+    given = {"mean": mean, "std": std}
+    if stored is not None:
+        trained = Preprocessing.from_input_spec(stored.to_dict() if isinstance(stored, InputSpec) else stored)
+        source = "the checkpoint"
+    elif weights:
+        from backbones.weights import preprocessing_of
+
+        trained, source = preprocessing_of(weights), weights
         if trained is None and None in given.values():
             rank_zero_warn(f"data.weights={weights} does not say which input it was trained on (a state dict without "
                            "the input specification our checkpoints store): normalising with ImageNet's mean and std. "
                            "Name registered weights (backbones/pretrained.py) or give data.mean and data.std")
-    default = {"mean": trained.mean if trained else IMAGENET_MEAN, "std": trained.std if trained else IMAGENET_STD}
+    else:
+        trained, source = None, None
+    base = trained if trained is not None else Preprocessing(IMAGENET_MEAN, IMAGENET_STD)
     for key, value in given.items():
-        if value is not None and trained is not None and tuple(float(v) for v in value) != default[key]:
-            rank_zero_warn(f"data.{key}={list(value)} differs from the {key} {list(default[key])} that {weights} was "
-                           f"trained with: the network sees inputs unlike its pretraining. Leave data.{key} unset to "
-                           "use the weights' own")
-    return tuple(given["mean"] or default["mean"]), tuple(given["std"] or default["std"])
+        if value is not None and trained is not None and tuple(float(v) for v in value) != getattr(base, key):
+            rank_zero_warn(f"data.{key}={list(value)} differs from the {key} {list(getattr(base, key))} that {source} "
+                           f"was trained with: the network sees inputs unlike its training. Leave data.{key} unset "
+                           f"to use {source}'s own")
+    return replace(base, mean=base.mean if mean is None else tuple(mean), std=base.std if std is None else tuple(std))
+
+
+def normalization(weights: str | None = None, mean: Sequence[float] | None = None,
+                  std: Sequence[float] | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``(mean, std)`` an image datamodule normalises with, given its ``weights``, ``mean`` and ``std``
+    arguments: :func:`resolve_preprocessing`'s."""
+    resolved = resolve_preprocessing(weights, mean=mean, std=std)
+    return resolved.mean, resolved.std
+
+
+def stored_input_spec(checkpoint: Mapping[str, Any],
+                      rule: Callable[[dict], InputSpec] | None = None) -> InputSpec | None:
+    """The input a checkpoint's model takes: the specification the checkpoint stores (``input_spec``), else
+    the task's ``rule`` applied to the datamodule arguments Lightning saved beside the model
+    (``datamodule_hyper_parameters``, whose mean and std :func:`resolve_preprocessing` resolved when the
+    datamodule was built); ``None`` when neither says."""
+    if checkpoint.get("input_spec") is not None:
+        return InputSpec.from_dict(checkpoint["input_spec"])
+    arguments = checkpoint.get("datamodule_hyper_parameters")
+    if not arguments or rule is None:
+        return None
+    try:
+        return rule(dict(arguments))
+    except KeyError:  # another datamodule's arguments: no spec to read from them
+        return None
 
 
 def _normalization(hparams: dict) -> tuple[tuple[float, ...], tuple[float, ...]]:

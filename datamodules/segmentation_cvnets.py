@@ -37,7 +37,7 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from datamodules.images import IMAGENET_MEAN, IMAGENET_STD
+from backbones.pretrained import IMAGENET_MEAN, IMAGENET_STD
 from datamodules.segmentation_transforms import IGNORE_INDEX
 
 #: windows ``RandomCrop.get_params_from_mask`` checks before it takes the next one unchecked

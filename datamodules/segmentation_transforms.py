@@ -22,7 +22,7 @@ import cv2
 import numpy as np
 from albumentations.pytorch import ToTensorV2
 
-from datamodules.images import IMAGENET_MEAN, IMAGENET_STD
+from backbones.pretrained import IMAGENET_MEAN, IMAGENET_STD
 
 #: label of pixels that are not scored (VOC's object outlines, ADE20k's "other", padding)
 IGNORE_INDEX = 255

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from backbones.mobilevit import MobileViT
 from backbones.mobilevitv2 import MobileViTv2
-from backbones.pretrained import IMAGENET_MEAN, IMAGENET_STD, PRETRAINED, Preprocessing, preprocessing_of
+from backbones.pretrained import IMAGENET_MEAN, IMAGENET_STD, PRETRAINED, Preprocessing
 from backbones.registry import get_backbone_class
 from backbones.vit import ViT
 from backbones.weights import (
@@ -18,6 +18,7 @@ from backbones.weights import (
     convert_checkpoint,
     converters_for,
     load_pretrained,
+    preprocessing_of,
     register_converter,
 )
 from datamodules.input_spec import InputSpec

@@ -2,25 +2,37 @@
 backbone is built for, and the normalisation an image datamodule applies."""
 from __future__ import annotations
 
+from datamodules.input_spec import resolve_preprocessing
+
 
 def link_weights(config, checkpoint: dict | None) -> None:
-    """An image datamodule's ``weights`` (whose entry gives its mean and std, ``backbones/pretrained.py``)
-    are the model's: ``model.weights``, else the backbone's ``pretrained``; scoring a checkpoint, its
-    mean and std are those of the input specification the checkpoint stores. A ``--data.weights`` (or
-    ``--data.mean`` / ``--data.std``) given explicitly is kept (jsonargparse's ``link_arguments`` would
-    drop it)."""
+    """Tell an image datamodule which input the model takes, as
+    :func:`datamodules.input_spec.resolve_preprocessing` decides it. On fit its ``weights`` are the model's
+    (``model.weights``, else the backbone's ``pretrained``), which its constructor resolves; scoring a
+    checkpoint, its ``mean`` and ``std`` are resolved here from the input specification the checkpoint stores
+    (its weights replace those its training started from, so their name is no longer the model's). A
+    ``--data.weights``, ``--data.mean`` or ``--data.std`` given explicitly is kept (jsonargparse's
+    ``link_arguments`` would drop it); a mean or std that contradicts the weights or the checkpoint is warned
+    about by the resolver."""
     data_args = getattr(config.get("data"), "init_args", None)
     model = config.get("model")
     if data_args is None or "weights" not in data_args or data_args.weights is not None or model is None:
         return
-    spec = (checkpoint or {}).get("input_spec")
-    if spec is not None:  # a checkpoint is scored on inputs prepared as it was trained on
+    stored = (checkpoint or {}).get("input_spec")
+    if stored is not None:
+        resolved = resolve_preprocessing(stored=stored, mean=data_args.get("mean"), std=data_args.get("std"))
         for key in ("mean", "std"):
-            if key in data_args and data_args[key] is None:
-                data_args[key] = list(spec[key])
+            if key in data_args:
+                data_args[key] = list(getattr(resolved, key))
         return
+    data_args.weights = model_weights(model)
+
+
+def model_weights(model) -> str | None:
+    """The weights a model section starts from: ``weights`` (a whole classifier), else the backbone's
+    ``pretrained``; ``None`` for random weights."""
     backbone_args = getattr(model.get("backbone"), "init_args", None)
-    data_args.weights = model.get("weights") or (backbone_args.get("pretrained") if backbone_args else None)
+    return model.get("weights") or (backbone_args.get("pretrained") if backbone_args else None)
 
 
 def link_image_size(config, given_keys: set[str]) -> None:

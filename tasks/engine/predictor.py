@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from datamodules.input_spec import InputSpec, input_spec_of
+from datamodules.input_spec import InputSpec, input_spec_of, stored_input_spec
 
 
 def load(path: str | Path, map_location: Any = "cpu"):
@@ -90,9 +90,11 @@ class Predictor:
 
     The input specification: on ``fit`` (and on any run of a model that has none yet) it is the
     datamodule's ``input_spec`` (or, for a datamodule that states none, :attr:`input_spec_rule` applied
-    to its arguments); every checkpoint carries it as ``checkpoint["input_spec"]``, and loading one
-    restores it. A checkpoint without one (a Lightning checkpoint of another origin) gets it from the
-    datamodule arguments Lightning saved beside the model (``datamodule_hyper_parameters``).
+    to its arguments), whose mean and std :func:`datamodules.input_spec.resolve_preprocessing` decided;
+    every checkpoint carries it as ``checkpoint["input_spec"]``, and loading one restores it
+    (:func:`datamodules.input_spec.stored_input_spec`). A checkpoint without one (a Lightning checkpoint of
+    another origin) gets it from the datamodule arguments Lightning saved beside the model
+    (``datamodule_hyper_parameters``).
 
     A task implements :meth:`predict_inputs`, a list of inputs -> a list of results; :meth:`predict`
     batches, switches to evaluation mode and unwraps a single input.
@@ -118,15 +120,16 @@ class Predictor:
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        if self._trainer is not None and self._trainer.state.fn == "fit" and self.input_spec is not None:
+        if self.input_spec is not None and self._fitting():
             return  # a resumed fit keeps the spec of the data it trains on
-        if "input_spec" in checkpoint:
-            self.input_spec = InputSpec.from_dict(checkpoint["input_spec"])
-        elif checkpoint.get("datamodule_hyper_parameters") and self.input_spec_rule is not None:
-            try:
-                self.input_spec = self.input_spec_rule(dict(checkpoint["datamodule_hyper_parameters"]))
-            except KeyError:  # another datamodule's arguments: no spec to read from them
-                pass
+        self.input_spec = stored_input_spec(checkpoint, self.input_spec_rule) or self.input_spec
+
+    def _fitting(self) -> bool:
+        """Whether a Trainer runs ``fit`` with this model; ``False`` when none is attached (``tasks.load``)."""
+        try:
+            return self.trainer.state.fn == "fit"
+        except RuntimeError:  # not attached to a Trainer
+            return False
 
     def require_input_spec(self) -> InputSpec:
         if self.input_spec is None:

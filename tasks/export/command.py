@@ -2,11 +2,13 @@
 
 The checkpoint supplies the model (as for ``validate``/``test``/``predict``) and its input specification
 (:class:`datamodules.input_spec.InputSpec`: size, mean, std), whose size, mean and std may be overridden
-(``--data.image_size 256``; segmentation's ``--data.crop_size``). The command writes the graph next to
-the checkpoint (``<ckpt stem>.onnx``) unless ``--output`` says otherwise, runs it with ONNX
-Runtime against the PyTorch model on seeded random inputs, and prints where it wrote and the
-difference it measured. Every input and output is named and the batch size is dynamic. What
-each task's graph computes is in its module, named by the task class (``onnx_exporter``):
+(``--data.image_size 256``; segmentation's ``--data.crop_size``). ``--data.mean`` and ``--data.std`` are
+resolved against the checkpoint's as the datamodule resolves them
+(:func:`datamodules.input_spec.resolve_preprocessing`, which warns about a contradiction). The command
+writes the graph next to the checkpoint (``<ckpt stem>.onnx``) unless ``--output`` says otherwise, runs
+it with ONNX Runtime against the PyTorch model on seeded random inputs, and prints where it wrote and
+the difference it measured. Every input and output is named and the batch size is dynamic. What each
+task's graph computes is in its module, which the task class names in its ``onnx_export`` attribute:
 :mod:`tasks.export.classification`, :mod:`tasks.export.detection`, :mod:`tasks.export.segmentation`,
 :mod:`tasks.export.translation`; what they share is :mod:`tasks.export.onnx`.
 
@@ -27,7 +29,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from datamodules.input_spec import InputSpec
+from datamodules.input_spec import InputSpec, resolve_preprocessing
 from configs.recipes import CommandLine, split_command_line
 from tasks.export.onnx import (DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, ExportReport, ExportRequest, check_opset,
                                require_export_extra)
@@ -74,22 +76,25 @@ def data_overrides(command: CommandLine) -> dict[str, Any]:
     return overrides
 
 
-#: ``--data.KEY`` options that change the input specification an image graph is exported with
-SPEC_OPTIONS = {"image_size": "image_size", "crop_size": "image_size", "mean": "mean", "std": "std"}
+#: ``--data.KEY`` options that set the size an image graph is exported at (segmentation's is its crop)
+SIZE_OPTIONS = ("image_size", "crop_size")
 
 
 def export_spec(model, overrides: dict[str, Any]) -> InputSpec | None:
-    """The model's input specification (from its checkpoint) with the command line's size (``--data.image_size``,
-    segmentation's ``--data.crop_size``), ``--data.mean`` and ``--data.std``; for a checkpoint that records none,
-    the task's rule applied to those options alone."""
+    """The input specification to export at: the model's (from its checkpoint) with the command line's size
+    (``--data.image_size``, segmentation's ``--data.crop_size``), and the mean and std
+    :func:`datamodules.input_spec.resolve_preprocessing` gives for the checkpoint's and ``--data.mean`` /
+    ``--data.std``; for a checkpoint that records none, the task's rule applied to those options alone
+    (``None`` without a size among them)."""
     trained = getattr(model, "input_spec", None)
-    changes = {SPEC_OPTIONS[key]: value for key, value in overrides.items() if key in SPEC_OPTIONS}
+    size = {"image_size": overrides[key] for key in SIZE_OPTIONS if key in overrides}
     if trained is not None:
-        return dataclasses.replace(trained, **changes)
+        resolved = resolve_preprocessing(stored=trained, mean=overrides.get("mean"), std=overrides.get("std"))
+        return dataclasses.replace(trained, mean=resolved.mean, std=resolved.std, **size)
     rule = getattr(model, "input_spec_rule", None)
     try:
-        return rule(overrides) if rule is not None and changes else None
-    except KeyError:  # no size among them
+        return rule(overrides) if rule is not None and size else None
+    except KeyError:  # the rule's own size option is not among them
         return None
 
 
