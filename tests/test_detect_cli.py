@@ -388,20 +388,21 @@ def test_wandb_validation_boxes_are_drawn_on_the_input_the_network_saw(monkeypat
     import torch
 
     import tasks.outputs.detection as outputs
+    from tasks.outputs.media import WandbSink
 
     logged = {}
 
     class Logger:
-        def log_image(self, key, images, boxes):
-            logged.update(key=key, images=images, boxes=boxes)
+        def log_image(self, key, images, step=None, **kwargs):
+            logged.update(key=key, images=images, **kwargs)
 
-    monkeypatch.setattr(outputs, "wandb_logger", lambda trainer: Logger())
+    monkeypatch.setattr(outputs, "media_sink", lambda trainer: WandbSink(Logger()))
     images = torch.randn(3, 3, 32, 32)
     detections = [{"boxes": torch.tensor([[0.0, 0.0, 64.0, 32.0], [8.0, 8.0, 16.0, 16.0]]),
                    "scores": torch.tensor([0.9, 0.1]), "labels": torch.tensor([1, 0])}] * 3
     targets = [{"boxes": torch.tensor([[1.0, 2.0, 5.0, 6.0]]), "labels": torch.tensor([0]), "orig_size": (64, 128)}] * 3
     task = SimpleNamespace(category_names=["a", "b"], display_score_threshold=0.3)
-    callback = outputs.WandbValidationBoxes(2)
+    callback = outputs.ValidationBoxes(2)
     for batch_idx in (1, 0):  # only the first batch is logged
         callback.on_validation_batch_end(SimpleNamespace(sanity_checking=False), task,
                                          {"samples": (images, detections, targets)}, None, batch_idx)

@@ -5,7 +5,7 @@ precision, recall, f1, support), ``confusion_matrix.csv`` (rows: true class, col
 ``confused_pairs.csv`` (the most frequent mistakes), all from the one confusion matrix of the split, its picture ``confusion_matrix.png``, and ``worst/``: the
 images whose true class got the lowest probability, captioned, listed in ``worst.csv``. `predict` writes
 ``predictions/predict/predictions.csv`` (image, prediction, score, top-5 classes). Validation images with
-their predictions go to wandb.
+their predictions go to the run's loggers (:mod:`tasks.outputs.media`).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from lightning.pytorch import Callback
 
 from tasks.outputs.common import (PredictWriter, TestRows, ValidationSamples, WorstSamples, draw_after_metrics,
                                   predictions_dir, with_caption, write_confusion_matrix_png, write_worst_csv)
+from tasks.outputs.media import stretched
 
 
 class PredictionsCsv(TestRows):
@@ -135,15 +136,16 @@ class ClassPredictions(PredictWriter):
                 writer.writerow([path, names[labels[0]], f"{scores[0]:.6f}", top5])
 
 
-class WandbValidationImages(ValidationSamples):
-    """``val/samples`` in wandb: validation images from batches spread over the split, captioned with their
-    prediction and label. Step output ``"sample"``: ``(image, prediction, target)``."""
+class ValidationImages(ValidationSamples):
+    """``val/samples`` to the run's loggers: validation images from batches spread over the split, as the
+    network saw them, captioned with their prediction and label. Step output ``"sample"``: ``(image,
+    prediction, target)``."""
 
-    def log_samples(self, logger, samples: list, pl_module) -> None:
-        shown = torch.stack([image.float() for image, _, _ in samples])
-        lo = shown.amin(dim=(1, 2, 3), keepdim=True)
-        hi = shown.amax(dim=(1, 2, 3), keepdim=True)
-        shown = ((shown - lo) / (hi - lo).clamp_min(1e-6)).cpu()
+    def log_samples(self, media, samples: list, pl_module) -> None:
         names = pl_module.class_names
-        logger.log_image("val/samples", list(shown),
-                         caption=[f"pred {names[int(p)]} / true {names[int(t)]}" for _, p, t in samples])
+        media.log_image("val/samples", stretched(torch.stack([image for image, _, _ in samples])),
+                        captions=[f"pred {names[int(p)]} / true {names[int(t)]}" for _, p, t in samples])
+
+
+# old name, used by tasks/classify.py until it switches
+WandbValidationImages = ValidationImages

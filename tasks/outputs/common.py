@@ -10,7 +10,8 @@ gathers are collective) and write on rank 0, in their list's order: numbers firs
 Under ``<trainer.default_root_dir>/predictions/``:
 - ``metrics.json`` (:class:`MetricsJson`): the numbers `test` logged, with the model's cost;
 - ``worst/`` (:class:`WorstSamples`, drawn by each task's subclass): the k lowest-scored samples;
-- the per-class table, the confusion matrix, the worst samples as wandb tables (:class:`WandbTestTables`).
+- the per-class table, the confusion matrix, the worst samples as tables and images to the run's loggers
+  (:class:`TestTables`, through the media sink of :mod:`tasks.outputs.media`).
 
 Pictures come last: the callbacks write ``metrics.json`` and the tables first, then draw through
 :func:`draw_after_metrics`, so a picture that cannot be drawn is a warning, never a `test` that ends
@@ -30,6 +31,8 @@ from typing import Any, Callable, Iterable
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
+
+from tasks.outputs.media import MediaSink, media_sink
 
 log = logging.getLogger(__name__)
 
@@ -125,34 +128,36 @@ class WorstSamples(Callback):
         raise NotImplementedError
 
 
-class WandbTestTables(Callback):
-    """What `test` wrote, sent to wandb (when a WandbLogger is on rank 0): ``test/per_class``
-    (per_class.csv), ``test/confusion_matrix`` (the PNG, when the task draws one), ``test/worst``
-    (worst.csv or worst.tsv) and ``test/worst_images`` (the overlays). Last in the list: it reads the files."""
+class TestTables(Callback):
+    """What `test` wrote, sent to the run's loggers (:func:`~tasks.outputs.media.media_sink`: wandb,
+    TensorBoard, MLflow, CSV): ``test/per_class`` (per_class.csv), ``test/confusion_matrix`` (the PNG, when
+    the task draws one), ``test/worst`` (worst.csv or worst.tsv) and ``test/worst_images`` (the overlays).
+    Last in the list: it reads the files."""
 
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        logger = wandb_logger(trainer)
-        if logger is None:
+        media = media_sink(trainer)
+        if media is None:
             return
-        import wandb
-
         folder = predictions_dir(trainer)
         per_class = folder / "per_class.csv"
         if per_class.is_file():
-            columns, rows = read_table(per_class)
-            logger.log_table(key="test/per_class", columns=columns, data=rows)
+            media.log_table("test/per_class", *read_table(per_class))
         picture = folder / "confusion_matrix.png"
         if picture.is_file():
-            logger.experiment.log({"test/confusion_matrix": wandb.Image(str(picture))})
+            media.log_image("test/confusion_matrix", str(picture))
         for name, delimiter in (("worst.csv", ","), ("worst.tsv", "\t")):
             worst = folder / "worst" / name
             if worst.is_file():
                 columns, rows = read_table(worst, delimiter)
-                logger.log_table(key="test/worst", columns=columns, data=rows)
+                media.log_table("test/worst", columns, rows)
                 if "file" in columns:  # the overlays, captioned with their rank
                     at = columns.index("file")
-                    logger.log_image("test/worst_images", [str(folder / "worst" / row[at]) for row in rows],
-                                     caption=[f"{row[0]}: {row[1]}" for row in rows])
+                    media.log_image("test/worst_images", [str(folder / "worst" / row[at]) for row in rows],
+                                    captions=[f"{row[0]}: {row[1]}" for row in rows])
+
+
+# old name, imported by tasks/engine/base.py until it switches
+WandbTestTables = TestTables
 
 
 class PredictWriter(BasePredictionWriter):
@@ -178,9 +183,10 @@ class PredictWriter(BasePredictionWriter):
 
 
 class ValidationSamples(Callback):
-    """Base of the wandb media of validation: ``count`` samples from batches spread over the split (a
-    validation step's output ``"sample"``), logged by :meth:`log_samples` at the epoch's end. Nothing is collected
-    without a WandbLogger or during the sanity check."""
+    """Base of the media of validation: ``count`` samples from batches spread over the split (a validation
+    step's output ``"sample"``), logged by :meth:`log_samples` at the epoch's end to the run's media sink.
+    Nothing is collected when no logger shows media (:func:`~tasks.outputs.media.media_sink` is ``None``)
+    or during the sanity check."""
 
     def __init__(self, count: int):
         self.count = count
@@ -189,28 +195,19 @@ class ValidationSamples(Callback):
 
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.samples = []
-        self.batches = spread_batches(trainer, self.count) if wandb_logger(trainer) is not None else set()
+        self.batches = spread_batches(trainer, self.count) if media_sink(trainer) is not None else set()
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         if batch_idx in self.batches and not trainer.sanity_checking and isinstance(outputs, dict):
             self.samples.append(outputs["sample"])
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        logger, samples, self.samples = wandb_logger(trainer), self.samples, []
-        if logger is not None and samples:
-            self.log_samples(logger, samples, pl_module)
+        media, samples, self.samples = media_sink(trainer), self.samples, []
+        if media is not None and samples:
+            self.log_samples(media, samples, pl_module)
 
-    def log_samples(self, logger, samples: list, pl_module: LightningModule) -> None:
+    def log_samples(self, media: MediaSink, samples: list, pl_module: LightningModule) -> None:
         raise NotImplementedError
-
-
-def wandb_logger(trainer: Trainer):
-    """The WandbLogger on rank 0, else ``None`` (media are logged only when it exists)."""
-    from lightning.pytorch.loggers import WandbLogger
-
-    if trainer.global_rank != 0:
-        return None
-    return next((lg for lg in trainer.loggers if isinstance(lg, WandbLogger)), None)
 
 
 def spread_batches(trainer: Trainer, count: int) -> set[int]:
@@ -222,7 +219,8 @@ def spread_batches(trainer: Trainer, count: int) -> set[int]:
     total = int(total) if math.isfinite(total) else count
     if total <= 0 or count <= 0:
         return set()
-    return {int(i * total / count) for i in range(min(count, total))}
+    shown = min(count, total)  # fewer batches than samples wanted: every batch gives one
+    return {int(i * total / shown) for i in range(shown)}
 
 
 # -- drawing and tables -------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ AR100 from the evaluation that gave mAP; VOC: AP50) and ``worst/``: the images w
 0.5, drawn with their predicted (red) and true (green) boxes, listed in ``worst.csv``. `predict` writes one
 JSON per image under ``predictions/predict/`` (and, with ``model.draw_predictions``, the image with its
 boxes), named after the image's stem, or after its file name with the extension when two images share a
-stem (``photo.jpg.json`` and ``photo.png.json``). Validation images with their boxes go to wandb.
+stem (``photo.jpg.json`` and ``photo.png.json``). Validation images with their boxes go to the run's loggers
+(:mod:`tasks.outputs.media`).
 
 Detections reach these callbacks in original-image pixels (the head's ``postprocess``); a picture of the
 network input gets its boxes through :func:`boxes_on_picture`.
@@ -23,7 +24,8 @@ from lightning.pytorch import Callback
 
 from datamodules.images import output_names, read_rgb
 from tasks.outputs.common import (PredictWriter, TestRows, WorstSamples, draw_after_metrics, drawable_boxes,
-                                  predictions_dir, wandb_logger, write_worst_csv)
+                                  predictions_dir, write_worst_csv)
+from tasks.outputs.media import Boxes, media_sink, stretched
 
 
 def coco_records(det: dict[str, torch.Tensor], category_ids: Sequence[int], **extra) -> list[dict]:
@@ -146,46 +148,35 @@ def draw_row(row: dict, path: Path) -> None:
     write_jpeg(image, str(path))
 
 
-class WandbValidationBoxes(Callback):
-    """``val/samples`` in wandb: the first ``count`` images of the first validation batch, as the network saw
-    them, with their predicted boxes (scoring at least the model's ``display_score_threshold``, captioned with
-    name and score) and true boxes. Step outputs: ``{"samples": (images, detections in original pixels,
-    targets)}``."""
+class ValidationBoxes(Callback):
+    """``val/samples`` to the run's loggers: the first ``count`` images of the first validation batch, as the
+    network saw them, with their predicted boxes (scoring at least the model's ``display_score_threshold``,
+    captioned with name and score, red) and true boxes (green): wandb overlays them, other loggers get them
+    drawn in. Step outputs: ``{"samples": (images, detections in original pixels, targets)}``."""
 
     def __init__(self, count: int):
         self.count = count
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        logger = wandb_logger(trainer)
-        if (logger is None or self.count <= 0 or batch_idx != 0 or trainer.sanity_checking
-                or not isinstance(outputs, dict)):
+        if self.count <= 0 or batch_idx != 0 or trainer.sanity_checking or not isinstance(outputs, dict):
+            return
+        media = media_sink(trainer)
+        if media is None:
             return
         images, detections, targets = outputs["samples"]
         n = min(self.count, len(images))
-        shown = images[:n].float()
-        lo, hi = shown.amin(dim=(1, 2, 3), keepdim=True), shown.amax(dim=(1, 2, 3), keepdim=True)
-        shown = ((shown - lo) / (hi - lo).clamp_min(1e-6) * 255).byte().permute(0, 2, 3, 1).cpu().numpy()
-        class_labels = dict(enumerate(pl_module.category_names))
+        class_names = dict(enumerate(pl_module.category_names))
         picture_size = tuple(images.shape[-2:])
-        boxes = []
+        overlays = []
         for det, target in zip(detections[:n], targets[:n]):
             keep = det["scores"] >= pl_module.display_score_threshold
             predicted = boxes_on_picture(det["boxes"][keep], target["orig_size"], picture_size)
-            boxes.append({"predictions": box_data(predicted, det["labels"][keep].cpu(), class_labels,
-                                                  det["scores"][keep].cpu()),
-                          "ground_truth": box_data(target["boxes"].cpu(), target["labels"].cpu(), class_labels)})
-        logger.log_image("val/samples", list(shown), boxes=boxes)
+            overlays.append({"predictions": Boxes(predicted, det["labels"][keep].cpu(), class_names,
+                                                  det["scores"][keep].cpu(), colour="red"),
+                             "ground_truth": Boxes(target["boxes"].cpu(), target["labels"].cpu(), class_names,
+                                                   colour="lime")})
+        media.log_image("val/samples", stretched(images[:n]), overlays=overlays)
 
 
-def box_data(boxes: torch.Tensor, labels: torch.Tensor, class_labels: dict[int, str],
-             scores: torch.Tensor | None = None) -> dict:
-    """Boxes in wandb's ``box_data`` form (pixel positions, class id, caption, score)."""
-    rows = []
-    for i, (box, label) in enumerate(zip(boxes.tolist(), labels.tolist())):
-        row = {"position": {"minX": box[0], "minY": box[1], "maxX": box[2], "maxY": box[3]},
-               "domain": "pixel", "class_id": int(label), "box_caption": class_labels[int(label)]}
-        if scores is not None:
-            row["scores"] = {"score": float(scores[i])}
-            row["box_caption"] += f" {float(scores[i]):.2f}"
-        rows.append(row)
-    return {"box_data": rows, "class_labels": class_labels}
+# old name, used by tasks/detect.py until it switches
+WandbValidationBoxes = ValidationBoxes

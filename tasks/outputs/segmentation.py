@@ -6,9 +6,9 @@ split's confusion matrix, the one mIoU comes from; ``worst/``: the images with t
 drawn as image | prediction | truth, listed in ``worst.csv``. `predict` writes
 ``predictions/predict/masks/<name>.png`` and ``overlays/<name>.jpg``. ``<name>`` is the image's stem, or
 its file name with the extension where two images share a stem (the batch's ``name``). Masks are written
-as their batch ends, by the rank that computed them. wandb gets validation images with their
-predicted and true masks, and each validation's per-class IoU as one table (``val/per_class``; a chart
-per class would be 150 on ADE20k).
+as their batch ends, by the rank that computed them. The run's loggers (:mod:`tasks.outputs.media`) get
+validation images with their predicted and true masks, and each validation's per-class IoU as one table
+(``val/per_class``; a chart per class would be 150 on ADE20k).
 """
 from __future__ import annotations
 
@@ -22,9 +22,11 @@ from lightning.pytorch import Callback
 from PIL import Image
 
 from datamodules.images import read_rgb_array
+from datamodules.segmentation_layouts import voc_palette
 from tasks.metrics.miou import confusion_scores
 from tasks.outputs.common import (PredictWriter, ValidationSamples, WorstSamples, predict_dir, predictions_dir,
-                                  wandb_logger, write_worst_csv)
+                                  write_worst_csv)
+from tasks.outputs.media import Mask, media_sink, stretched
 
 
 def output_name(batch: dict, k: int) -> str:
@@ -124,21 +126,25 @@ class PredictMasks(PredictWriter):
             Image.fromarray(overlay).save(folder / "overlays" / f"{name}.jpg", quality=90)
 
 
-class WandbValidationOverlays(ValidationSamples):
-    """``val/overlays`` in wandb: validation images from batches spread over the split, each with its
-    predicted and true masks as wandb mask overlays, at the network's input size. Step output ``"sample"``:
-    ``(image, prediction, truth)``."""
+class ValidationOverlays(ValidationSamples):
+    """``val/overlays`` to the run's loggers: validation images from batches spread over the split, at the
+    network's input size, each with its predicted and true masks (wandb: its mask overlays; other loggers:
+    image | prediction | truth blended with the classes' colours). Step output ``"sample"``: ``(image,
+    prediction, truth)``, labels at the original size."""
 
-    def log_samples(self, logger, samples: list, pl_module) -> None:
-        class_labels = dict(enumerate(pl_module.class_names)) | {pl_module.ignore_index: "ignore"}
-        images, masks = [], []
-        for image, pred, truth in samples:
-            image = image.float()
-            image = ((image - image.min()) / (image.max() - image.min()).clamp_min(1e-6)).permute(1, 2, 0)
-            images.append((image.cpu().numpy() * 255).astype(np.uint8))
-            masks.append({key: {"mask_data": input_size_mask(labels, image.shape[:2]), "class_labels": class_labels}
-                          for key, labels in (("prediction", pred), ("ground_truth", truth))})
-        logger.log_image("val/overlays", images, step=pl_module.global_step, masks=masks)
+    def log_samples(self, media, samples: list, pl_module) -> None:
+        class_names = dict(enumerate(pl_module.class_names)) | {pl_module.ignore_index: "ignore"}
+        palette = getattr(pl_module.trainer.datamodule, "palette", None)
+        palette = voc_palette() if palette is None else np.asarray(palette)
+        images = [stretched(image[None])[0] for image, _, _ in samples]  # one by one: their sizes may differ
+        overlays = [{key: Mask(input_size_mask(labels, picture.shape[:2]), class_names, palette, pl_module.ignore_index)
+                     for key, labels in (("prediction", pred), ("ground_truth", truth))}
+                    for picture, (_, pred, truth) in zip(images, samples)]
+        media.log_image("val/overlays", images, step=pl_module.global_step, overlays=overlays)
+
+
+# old name, used by tasks/segment.py until it switches
+WandbValidationOverlays = ValidationOverlays
 
 
 def input_size_mask(labels: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
@@ -146,14 +152,20 @@ def input_size_mask(labels: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
     return F.interpolate(labels[None, None].float(), size=size, mode="nearest")[0, 0].cpu().numpy().astype(np.uint8)
 
 
-class WandbPerClassIoU(Callback):
-    """``val/per_class`` in wandb: each validation's per-class IoU (the task's ``val_class_iou``) as one
-    table (class, iou)."""
+class PerClassIoUTable(Callback):
+    """``val/per_class`` to the run's loggers: each validation's per-class IoU (the task's ``val_class_iou``)
+    as one table (class, iou)."""
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        logger = wandb_logger(trainer)
         class_iou = getattr(pl_module, "val_class_iou", None)
-        if logger is None or trainer.sanity_checking or class_iou is None:
+        if trainer.sanity_checking or class_iou is None:
+            return
+        media = media_sink(trainer)
+        if media is None:
             return
         rows = [[name, float(iou)] for name, iou in zip(pl_module.class_names, class_iou.tolist())]
-        logger.log_table(key="val/per_class", columns=["class", "iou"], data=rows)
+        media.log_table("val/per_class", ["class", "iou"], rows)
+
+
+# old name, used by tasks/segment.py until it switches
+WandbPerClassIoU = PerClassIoUTable

@@ -5,7 +5,7 @@ Under ``predictions/``: ``hypotheses.txt`` (one line per source line, in order),
 BLEU and chrF, source, reference, hypothesis) and ``worst/worst.tsv`` (the lowest-chrF sentences). All read the
 task's ``evaluated_sentences``: ``(index, source, reference, hypothesis)`` of the whole split, in file order.
 `predict` writes its translations to ``--model.predict_output``, a file or standard output (``-``); the
-validation and test translations go to wandb as tables.
+validation and test translations go to the run's loggers as tables (:mod:`tasks.outputs.media`).
 """
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, TextIO
 
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from tasks.outputs.common import predictions_dir, PredictWriter, wandb_logger, write_worst_csv
+from tasks.outputs.common import predictions_dir, PredictWriter, write_worst_csv
+from tasks.outputs.media import media_sink
 from tasks.metrics.bleu import bleu_signature, sentence_bleu, sentence_chrf
 
 #: the columns of ``hypotheses.tsv`` (``worst.tsv`` puts ``rank`` first)
@@ -101,9 +102,9 @@ class WorstTranslations(SentencesFile):
                             delimiter="\t")
 
 
-class WandbTranslations(Callback):
-    """``val/translations`` and ``test/translations`` in wandb: ``count`` sentences spread over the split (the
-    same ones every epoch) with their line, source, reference and hypothesis."""
+class ValidationTranslations(Callback):
+    """``val/translations`` and ``test/translations`` to the run's loggers: ``count`` sentences spread over the
+    split (the same ones every epoch) with their line, source, reference and hypothesis, as one table."""
 
     def __init__(self, count: int):
         self.count = count
@@ -116,12 +117,19 @@ class WandbTranslations(Callback):
         self.log_table(trainer, pl_module, "test")
 
     def log_table(self, trainer, pl_module, stage: str) -> None:
-        logger, sentences = wandb_logger(trainer), getattr(pl_module, "evaluated_sentences", None)
-        if logger is None or self.count <= 0 or not sentences:
+        sentences = getattr(pl_module, "evaluated_sentences", None)
+        if self.count <= 0 or not sentences:
+            return
+        media = media_sink(trainer)
+        if media is None:
             return
         step = max(1, len(sentences) // self.count)
-        logger.log_table(key=f"{stage}/translations", columns=["line", "source", "reference", "hypothesis"],
-                         data=[list(s) for s in sentences[::step][: self.count]])
+        media.log_table(f"{stage}/translations", ["line", "source", "reference", "hypothesis"],
+                        [list(s) for s in sentences[::step][: self.count]])
+
+
+# old name, used by tasks/translate.py until it switches
+WandbTranslations = ValidationTranslations
 
 
 #: the stream `predict` writes translations to for ``predict_output="-"`` (see :func:`translations_stdout`)
@@ -153,16 +161,24 @@ def translations_stdout(enabled: bool) -> Iterator[None]:
 
 
 class PredictedTranslations(PredictWriter):
-    """`predict`'s translations, one per input line in its order, to ``output``: a file, or standard output
-    for ``-``. Rows: ``(index, translation, whether the source was cut to max_positions - 1 tokens)``; the
-    cut lines are warned about, naming the first."""
+    """`predict`'s translations, one per input line in its order. Rows: ``(index, translation, whether the
+    source was cut to max_positions - 1 tokens)``; the cut lines are warned about, naming the first.
 
-    def __init__(self, output: str):
+    ``output``: a file, or ``-`` for standard output. ``stream``: where the translations go instead, e.g. the
+    standard output a command kept for them alone; ``None``: ``output``'s file, or for ``-`` the stream
+    :func:`translations_stdout` keeps (else ``sys.stdout``)."""
+
+    def __init__(self, output: str, stream: TextIO | None = None):
         super().__init__()
         self.output = output
+        self.stream = stream
 
     def destination(self, trainer) -> str:
-        return "standard output" if self.output == "-" else str(Path(self.output).resolve())
+        if self.output == "-":
+            return "standard output"
+        if self.stream is not None:
+            return str(getattr(self.stream, "name", "the given stream"))
+        return str(Path(self.output).resolve())
 
     def write(self, trainer, folder: Path, rows: list, pl_module) -> None:
         translations = {index: text for index, text, _ in sorted(rows)}  # a padding sampler repeats lines
@@ -173,9 +189,11 @@ class PredictedTranslations(PredictWriter):
                            f"truncated to {limit} tokens (the model's max_positions {pl_module.max_positions}, eos "
                            f"included); the first is line {cut[0] + 1}")
         lines = list(translations.values())
-        if self.output != "-":
+        stream = self.stream
+        if stream is None and self.output != "-":
             write_lines(Path(self.output), lines)
             return
-        stream = _TRANSLATIONS_STDOUT or sys.stdout
+        if stream is None:  # no stream given: the one tasks/translate.py's main keeps, while it runs the command
+            stream = _TRANSLATIONS_STDOUT or sys.stdout
         stream.write("".join(line + "\n" for line in lines))
         stream.flush()
