@@ -54,26 +54,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TASKS = ("classify", "detect", "segment", "translate")
+sys.path.insert(0, str(REPO))
+from configs.tasks import task_declaration, task_names  # noqa: E402  (the repository, run as a script)
+
+TASKS = tuple(task_names())
 #: in order of value: the order cells start in
 CELLS = ("fit_bf16", "resume", "test", "predict", "export", "fit_fp16", "channels_last", "compile_regional",
          "compile_network")
 NEEDS_CHECKPOINT = {"test", "predict", "export"}
-METRIC = {"classify": "test/top1", "detect": "test/map", "segment": "test/miou", "translate": "test/bleu"}
 #: a resumed run whose difference from the uninterrupted runs is at most this many times theirs from each
 #: other is "within noise": three runs that differ only by atomics' order are three draws of one noise
 NOISE_FACTOR = 4.0
-#: the contract tests' CPU sizes (tests/test_contract.py TINY)
-TINY = {
-    "classify": ["--data.image_size", "32", "--data.eval_resize", "32", "--data.batch_size", "16",
-                 "--model.scheduler.init_args.warmup_steps", "2"],
-    "detect": ["--data.image_size", "64", "--data.batch_size", "4", "--data.eval_batch_size", "4"],
-    "segment": ["--data.crop_size", "64", "--data.scale_range", "[0.75, 1.25]", "--data.batch_size", "4",
-                "--data.eval_short_side", "null"],
-    "translate": ["--model.encoder_depth", "1", "--model.decoder_depth", "1", "--model.num_heads", "2",
-                  "--model.max_len_b", "4", "--model.beam_size", "2", "--data.vocab_size", "500",
-                  "--data.max_tokens", "512", "--data.eval_max_tokens", "4096"],
-}
 STEP = re.compile(r"compile: the first train step took ([\d.]+) s \(compilation included\), the next ([\d.]+) s")
 
 
@@ -95,7 +86,7 @@ class TaskRun:
         self.root.mkdir(parents=True)
         self.common = ["--trainer.accelerator", args.accelerator, "--trainer.devices", "1",
                        "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
-                       *(TINY[task] if args.tiny else [])]
+                       *(task_declaration(task).smoke_flags if args.tiny else [])]
         self.short = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", str(args.steps),
                       "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0"]
 
@@ -165,10 +156,11 @@ class TaskRun:
         self.cli("test", "test", "--ckpt_path", str(self.checkpoint), *self.base(), "--trainer.limit_test_batches", "2",
                  "--trainer.default_root_dir", str(out))
         metrics = json.loads(next(out.rglob("metrics.json")).read_text())
-        value = metrics.get(METRIC[self.task])
+        metric = task_declaration(self.task).test_metric
+        value = metrics.get(metric)
         if value is None or not math.isfinite(value):
-            raise CellError(f"metrics.json has no finite {METRIC[self.task]}: {sorted(metrics)}")
-        return f"{METRIC[self.task]} = {value:.4g} (2 batches of a {self.args.steps}-step model)"
+            raise CellError(f"metrics.json has no finite {metric}: {sorted(metrics)}")
+        return f"{metric} = {value:.4g} (2 batches of a {self.args.steps}-step model)"
 
     def predict(self) -> str:
         source = predict_input(self.task, self.root / "predict_input")

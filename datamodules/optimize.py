@@ -34,15 +34,9 @@ from typing import Sequence
 import yaml
 
 from configs.recipes import class_arguments, merge, resolve_recipes, split_command_line
+from configs.tasks import task_declaration, task_names
 from datamodules.streaming import LAYOUT_VERSION, join, read_manifest, split_folder, split_key, write_manifest, \
     write_split
-
-TASK_DATAMODULES = {
-    "classify": "datamodules.imagefolder.ImageFolderDataModule",
-    "detect": "datamodules.coco.CocoDataModule",
-    "segment": "datamodules.segmentation.SegmentationDataModule",
-    "translate": "datamodules.wmt.TranslationDataModule",
-}
 
 
 def data_settings(argv: Sequence[str]) -> tuple[str | None, dict]:
@@ -74,7 +68,7 @@ def datamodule_class(path: str):
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m datamodules.optimize", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", required=True, choices=sorted(TASK_DATAMODULES))
+    parser.add_argument("--task", required=True, choices=task_names())
     parser.add_argument("--root", help="the dataset in its standard layout "
                                        "(default: the recipe's, else the task's demo data)")
     parser.add_argument("--output", required=True, help="a folder or an object-store URL (s3://, gs://, ...)")
@@ -90,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.output.startswith("local:"):  # LitData's way of reading a folder as a store; written as a folder
         args.output = args.output[len("local:"):]
 
-    cls = datamodule_class(class_path or TASK_DATAMODULES[args.task])
+    cls = datamodule_class(class_path or task_declaration(args.task).datamodule)
     if getattr(cls, "streaming_task", None) != args.task:
         raise SystemExit(f"{cls.__module__}.{cls.__name__} is not a datamodule of task {args.task}")
     arguments.pop("streaming_root", None)

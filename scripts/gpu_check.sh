@@ -63,11 +63,14 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+# the tasks, as each declares itself in configs/<task>/task.yaml
+mapfile -t task_list < <(python3 -c "from configs.tasks import task_names; print('\n'.join(task_names()))")
+
 if [[ -n "$tiny" ]]; then
   accelerator=cpu; total=${GPU_CHECK_TOTAL_S:-100000}
   cli_box=100000 suite_box=100000 fit_box=100000 demo_box=100000 demo_s=10
   cli_budget=0 suite_budget=0 fit_budget=0
-  suite_flags=(--tiny --tasks classify detect segment translate --recipes paper --precisions bf16-mixed)
+  suite_flags=(--tiny --tasks "${task_list[@]}" --recipes paper --precisions bf16-mixed)
   machine="CPU smoke run (--tiny): $(nproc) cores"
 else
   accelerator=gpu
@@ -175,7 +178,7 @@ case "$stage" in
   demo) demo || status=1 ;;
   compile)
     run_stage compile 600 "$work/compile" python3 benchmarks/bench_compile.py --accelerator gpu --precision bf16-mixed \
-      --max-epochs 1 --tasks classify detect segment translate --output "$work/compile/results_compile.md" || status=1 ;;
+      --max-epochs 1 --tasks "${task_list[@]}" --output "$work/compile/results_compile.md" || status=1 ;;
   *) echo "unknown stage $stage: all, cli, suite, fit, demo or compile" >&2; exit 2 ;;
 esac
 echo "gpu_check $stage: $(( SECONDS - start )) s, exit $status; $summary" | tee -a "$log"

@@ -16,23 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from configs.tasks import task_declaration, task_names
 from tests.conftest import REPO, run_task
 
-TASKS = ("classify", "detect", "segment", "translate")
+TASKS = tuple(task_names())
 
-#: CPU-sized arguments per task; the second list changes the network's shape away from the demo
-#: recipe, so a checkpoint rebuilt from the recipe instead of its own arguments cannot load
-TINY = {
-    "classify": ["--data.image_size", "32", "--data.eval_resize", "32", "--data.batch_size", "16",
-                 "--data.num_workers", "0", "--model.scheduler.init_args.warmup_steps", "2"],
-    "detect": ["--data.image_size", "64", "--data.batch_size", "4", "--data.eval_batch_size", "4",
-               "--data.num_workers", "0"],
-    "segment": ["--data.crop_size", "64", "--data.scale_range", "[0.75, 1.25]", "--data.batch_size", "4",
-                "--data.num_workers", "0", "--data.eval_short_side", "null"],
-    "translate": ["--model.encoder_depth", "1", "--model.decoder_depth", "1", "--model.num_heads", "2",
-                  "--model.max_len_b", "4", "--model.beam_size", "2", "--data.vocab_size", "500",
-                  "--data.max_tokens", "512", "--data.eval_max_tokens", "4096"],
-}
+#: CPU-sized arguments per task (its declaration's smoke flags, loaders in this process); the second list
+#: changes the network's shape away from the demo recipe, so a checkpoint rebuilt from the recipe instead of
+#: its own arguments cannot load
+TINY = {task: [*task_declaration(task).smoke_flags, "--data.num_workers", "0"] for task in TASKS}
 SHAPE_OVERRIDE = {
     "classify": ["--model.backbone.init_args.width", "0.25"],
     "detect": ["--model.head.init_args.proj_channels", "[16, 16, 16, 8]"],
@@ -44,8 +36,6 @@ QUIET = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", 
 SHORT_FIT = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "1"]
 EVAL_LIMIT = {"classify": ["--trainer.limit_test_batches", "2"], "detect": ["--trainer.limit_test_batches", "2"],
               "segment": ["--trainer.limit_test_batches", "3"], "translate": ["--trainer.limit_test_batches", "2"]}
-TASK_CLASS = {"classify": "tasks.classify.ClassificationTask", "detect": "tasks.detect.DetectionTask",
-              "segment": "tasks.segment.SegmentationTask", "translate": "tasks.translate.TranslationTask"}
 
 
 def demo_dir(cache: Path, prefix: str) -> Path:
@@ -80,13 +70,13 @@ def test_checkpoint_rebuilds_the_model_with_no_overrides(task, fitted, tmp_path)
 
     ckpt = fitted(task) / "checkpoints" / "last.ckpt"
     saved = torch.load(ckpt, weights_only=True)
-    assert saved["suite_task"] == TASK_CLASS[task]
+    assert saved["suite_task"] == task_declaration(task).module
     # test on the demo data with nothing but the checkpoint: the recipe's (other) shape must not be used
     run_task(task, "test", "--ckpt_path", str(ckpt), *TINY[task], *QUIET, *EVAL_LIMIT[task], cwd=tmp_path)
     metrics = json.loads((tmp_path / "runs" / task / "predictions" / "metrics.json").read_text())
     assert metrics and all(math.isfinite(v) for v in metrics.values()), metrics
     # and in Python, as a library user would
-    module, name = TASK_CLASS[task].rsplit(".", 1)
+    module, name = task_declaration(task).module.rsplit(".", 1)
     model = getattr(importlib.import_module(module), name).load_from_checkpoint(ckpt, weights_only=True)
     state = model.state_dict()
     assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in saved["state_dict"].items()}
