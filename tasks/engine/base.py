@@ -14,20 +14,15 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 
-from layers.compat import skip_update_on_device, supports_device_skip
 from layers.compile import compile_mode, compile_networks, cpu_compile_notice
-from tasks.engine.checkpoints import plain, qualified_name, rng_states, set_rng_states
+from tasks.engine.checkpoints import qualified_name, rng_states, set_rng_states, without_start_weights
+from tasks.engine.data_checks import (data_identity_mismatches, refuse_checkpoint_of_other_data, refuse_other_data,
+                                      refuse_single_image_batchnorm)
 from tasks.engine.compile_report import CompileReport
 from tasks.engine.cost import model_cost, move_to
-from tasks.engine.nonfinite import LossVerdict
+from tasks.engine.nonfinite import NonFiniteGuard
 from tasks.engine.optim import param_groups
-from tasks.outputs.common import MetricsJson, PredictWriter, WandbTestTables, gather, predict_dir
-
-
-def zero_loss(module: nn.Module) -> torch.Tensor:
-    """A zero loss that reaches every trainable parameter of ``module`` (DDP's gradient all-reduce
-    waits for all of them)."""
-    return sum(p.sum() for p in module.parameters() if p.requires_grad) * 0.0
+from tasks.outputs.common import MetricsJson, PredictWriter, TestTables, gather, predict_dir
 
 
 class SharedFactory:
@@ -103,12 +98,7 @@ class TaskModule(LightningModule):
         self.no_weight_decay_on_norm_bias = no_weight_decay_on_norm_bias
         self.channels_last = channels_last
         self.compile_mode = compile_mode(compile)
-        self.on_nonfinite_loss = on_nonfinite_loss
-        self.skipped_nonfinite_steps = 0
-        self._logged_nonfinite_steps = 0
-        self.skipped_empty_batches = 0
-        self._verdicts: list[LossVerdict] = []  # loss verdicts on their way to the host, oldest first
-        self._step_usable: torch.Tensor | None = None  # device verdict of this optimizer step's batches
+        self.nonfinite_guard = NonFiniteGuard(on_nonfinite_loss)
         # sample-weighted means of the evaluation loss, synced exactly over ranks by torchmetrics
         self.eval_losses = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
         self.num_worst_examples = num_worst_examples
@@ -142,6 +132,13 @@ class TaskModule(LightningModule):
                 rank_zero_warn(cpu_compile_notice(self.compile_mode))
             self._compiled = True
 
+    def fitting(self) -> bool:
+        """Whether the module is attached to a Trainer that runs ``fit``."""
+        try:
+            return self.trainer.state.fn == "fit"
+        except RuntimeError:  # not attached to a Trainer
+            return False
+
     def training_device(self) -> torch.device:
         """The device the run computes on; in ``configure_model`` the weights may not be there yet."""
         try:
@@ -153,7 +150,7 @@ class TaskModule(LightningModule):
         """The compile report (when compiling) and the files `test` and `predict` write: ``metrics.json``,
         the task's :meth:`output_callbacks`, then the wandb tables that read them."""
         compiling = [CompileReport()] if self.compile_mode else []
-        return [*compiling, MetricsJson(), *self.output_callbacks(), WandbTestTables()]
+        return [*compiling, MetricsJson(), *self.output_callbacks(), TestTables()]
 
     def to_memory_format(self, images: torch.Tensor) -> torch.Tensor:
         return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
@@ -208,142 +205,43 @@ class TaskModule(LightningModule):
             self.log("data/skipped_images", float(skipped), on_step=False, on_epoch=True, reduce_fx="sum")
         if isinstance(batch, dict) and set(batch) == {"skipped"}:  # every image of the batch was unreadable
             return self.guard_loss(None, batch_idx)
-        self.check_batchnorm_batch(batch, batch_idx)
+        refuse_single_image_batchnorm(self, batch, batch_idx)
         return self.guard_loss(self.training_loss(batch, batch_idx), batch_idx)
 
-    def check_batchnorm_batch(self, batch: Any, batch_idx: int) -> None:
-        """Refuse a training batch of one image (``batch["image"]`` (1,C,H,W)) when a BatchNorm
-        layer trains on this rank's batch alone: it cannot take statistics of one value per channel,
-        and PyTorch's own error names neither the batch size nor a remedy."""
-        images = batch.get("image") if isinstance(batch, dict) else None
-        if not torch.is_tensor(images) or images.ndim != 4 or images.shape[0] != 1:
-            return
-        per_rank = [m for m in self.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
-                    and not (isinstance(m, nn.SyncBatchNorm) and self.trainer.world_size > 1)]
-        if not per_rank:
-            return
-        datamodule = getattr(self.trainer, "datamodule", None)
-        size = datamodule.hparams.get("batch_size") if datamodule is not None else None
-        raise ValueError(
-            f"a training batch of 1 image at global step {self.global_step} (epoch {self.current_epoch}, "
-            f"batch {batch_idx}; data.batch_size={size}, {self.trainer.world_size} process(es)): the network's "
-            "BatchNorm layers cannot take batch statistics of a single image. Train with --data.batch_size 2 or "
-            "more per process (the training loaders drop an incomplete last batch once the training split holds "
-            "more images than one batch), or give the training split more than one image per process.")
-
     def guard_loss(self, loss: torch.Tensor | None, batch_idx: int) -> torch.Tensor | None:
-        """Return the loss to train on; the verdict on it is reached on the device.
-
-        The host never waits for the loss (on a GPU that would stall the queue of kernels every
-        step). Instead the verdict (finite, and on every rank) is computed on the device, copied
-        to the host without waiting, and :meth:`on_before_optimizer_step` makes the optimizer's
-        update conditional on it (see there). The host reads the verdict later, at the latest
-        before the next checkpoint, validation or the end of training; a non-finite loss then
-        raises (naming its step and batch) or, with ``on_nonfinite_loss=skip``, is warned about
-        and counted. ``loss=None`` (a batch with nothing left to train on) is known on the host:
-        in one process Lightning skips that step; under DDP the rank trains on a zero loss that
-        reaches every parameter, so the gradient all-reduce the other ranks wait for happens,
-        and the verdict skips the update on every rank."""
-        empty = loss is None
-        distributed = self.trainer.world_size > 1
-        if empty and not distributed:
-            self._count_empty_batch(self._where(self.global_step, self.current_epoch, batch_idx))
-            return None
-        if empty:
-            loss = zero_loss(self)
-        finite = torch.isfinite(loss.detach()).all()
-        # a batch with nothing to train on is not a non-finite loss: finite, but not usable
-        verdict = torch.stack([finite, torch.zeros_like(finite) if empty else finite]).float()
-        if distributed:  # every rank skips if one must; no barrier, so the host does not wait
-            torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN)
-        usable = verdict[1] > 0
-        self._step_usable = usable if self._step_usable is None else self._step_usable & usable
-        self._verdicts.append(LossVerdict.copy(self.global_step, self.current_epoch, batch_idx,
-                                               torch.cat([verdict, loss.detach().float().reshape(1)])))
-        return loss
+        """The loss to train on; the verdict on it is reached on the device, so the host never waits for
+        the loss (:class:`tasks.engine.nonfinite.NonFiniteGuard`)."""
+        return self.nonfinite_guard.guard(self, loss, batch_idx)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Apply this step's loss verdict to the update, on the device where the optimizer allows it.
-
-        A fused optimizer (``fused=True``: Adam, AdamW, SGD, Adagrad) skips its whole update, state
-        and step count included, when its ``found_inf`` tensor is non-zero (the mechanism a
-        gradient scaler uses, :func:`skip_update_on_device`). Under fp16 the scaler sets that
-        tensor itself from its check of the gradients, so a step to skip gets a non-finite
-        gradient instead. Other optimizers, and a fused one before its first update (fused SGD
-        leaves its momentum buffer uninitialised when its first update is skipped), read the
-        verdict on the host here, after the backward is queued: a non-finite loss raises before
-        the update, and a step to skip drops its gradients. With gradient accumulation one
-        unusable batch skips the whole accumulated step."""
-        usable, self._step_usable = self._step_usable, None
-        if usable is None:  # nothing was trained on: no gradients to apply
-            return
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        if supports_device_skip(optimizer) and scaler is not None:
-            grads = (p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
-            grad = next(grads, None)
-            if grad is not None:
-                grad.masked_fill_(~usable, float("nan"))
-            return
-        if supports_device_skip(optimizer) and optimizer.state:
-            skip_update_on_device(optimizer, ~usable)
-            return
-        if not all(ok for step, ok in self._resolve_verdicts(wait=True, log=True) if step == self.global_step):
-            optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_guard.before_optimizer_step(self, optimizer)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         from lightning.pytorch.core.optimizer import LightningOptimizer
 
         try:
             super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        finally:  # the verdict was this step's only
-            skip_update_on_device(optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer, None)
+        finally:
+            self.nonfinite_guard.after_optimizer_step(
+                optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # under DDP every rank must stop at the same step: wait for the verdicts; alone, read the ready ones
-        self._resolve_verdicts(wait=self.trainer.world_size > 1, log=True)
+        self.nonfinite_guard.resolve(self, wait=self.trainer.world_size > 1, log=True)
 
     def on_train_epoch_end(self) -> None:
-        self._resolve_verdicts(wait=True, log=False)
+        self.nonfinite_guard.resolve(self, wait=True, log=False)
 
     def on_train_end(self) -> None:
-        self._resolve_verdicts(wait=True, log=False)
+        self.nonfinite_guard.resolve(self, wait=True, log=False)
 
-    def _resolve_verdicts(self, wait: bool, log: bool) -> list[tuple[int, bool]]:
-        """Read the loss verdicts that reached the host (all of them with ``wait``), oldest first:
-        raise at a non-finite loss (``on_nonfinite_loss=raise``), or warn and count the skipped
-        step. Returns ``(global step, usable)`` of each verdict read."""
-        read = []
-        while self._verdicts and (wait or self._verdicts[0].ready()):
-            record = self._verdicts.pop(0)
-            finite, usable, value = record.read()
-            read.append((record.step, usable))
-            if usable:
-                continue
-            where = self._where(record.step, record.epoch, record.batch)
-            if not finite and self.on_nonfinite_loss == "raise":
-                self._verdicts.clear()
-                shown = f"{value}" if not math.isfinite(value) else "on another rank"
-                raise FloatingPointError(
-                    f"non-finite loss ({shown}) at {where}; its optimizer step made no update, and the run stopped "
-                    "before any later checkpoint, so no checkpoint holds the result. Lower the learning rate, check "
-                    "the batch, or set model.on_nonfinite_loss=skip to skip and count such steps.")
-            if finite:
-                self._count_empty_batch(where)
-                continue
-            self.skipped_nonfinite_steps += 1
-            rank_zero_warn(f"non-finite loss at {where}: step skipped ({self.skipped_nonfinite_steps} so far)")
-        if log and self.skipped_nonfinite_steps != self._logged_nonfinite_steps:
-            self.log("train/skipped_nonfinite_steps", float(self.skipped_nonfinite_steps), reduce_fx="max")
-            self._logged_nonfinite_steps = self.skipped_nonfinite_steps
-        return read
+    @property
+    def skipped_nonfinite_steps(self) -> int:
+        return self.nonfinite_guard.skipped_nonfinite_steps
 
-    def _count_empty_batch(self, where: str) -> None:
-        self.skipped_empty_batches += 1
-        rank_zero_warn(f"no readable image left in the batch at {where} (on some rank): step skipped")
-
-    @staticmethod
-    def _where(step: int, epoch: int, batch_idx: int) -> str:
-        return f"global step {step} (epoch {epoch}, batch {batch_idx})"
+    @property
+    def skipped_empty_batches(self) -> int:
+        return self.nonfinite_guard.skipped_empty_batches
 
     # -- evaluation ----------------------------------------------------------------------------------
     def log_eval_loss(self, stage: str, loss: torch.Tensor, weight: float | int) -> None:
@@ -353,39 +251,19 @@ class TaskModule(LightningModule):
         metric.update(loss.detach().float(), weight=float(weight))
         self.log(f"{stage}/loss", metric, on_step=False, on_epoch=True)
 
-    def data_identity(self) -> dict[str, Any]:
-        """The values this model took from its training data (constructor arguments in :attr:`DATA_LINKS`)."""
-        return {arg: self.hparams.get(arg) for arg in self.DATA_LINKS.values() if arg in self.hparams}
-
     def data_identity_mismatches(self, datamodule) -> list[str]:
         """What differs between the data this model was trained on and ``datamodule``'s data."""
-        mismatches = []
-        for attr, arg in self.DATA_LINKS.items():
-            mine = self.hparams.get(arg)
-            if mine is None:
-                continue
-            theirs = getattr(datamodule, attr)
-            theirs = list(theirs) if isinstance(theirs, (list, tuple)) else theirs
-            mine = list(mine) if isinstance(mine, (list, tuple)) else mine
-            if mine != theirs:
-                mismatches.append(f"{arg}: model {_short(mine)} vs data {_short(theirs)}")
-        return mismatches
+        return data_identity_mismatches(self, datamodule)
 
     def check_data_identity(self) -> None:
-        """Refuse to score a dataset whose classes / category ids / vocabulary are not the model's:
-        the labels would silently mean something else."""
+        """Refuse to score a dataset whose classes / category ids / vocabulary are not the model's."""
         datamodule = getattr(self.trainer, "datamodule", None)
-        if datamodule is None:
-            return
-        mismatches = self.data_identity_mismatches(datamodule)
-        if mismatches:
+        if datamodule is not None:
             source = f"checkpoint {self.trainer.ckpt_path}" if self.trainer.ckpt_path else "the model"
-            raise ValueError(f"{source} was trained on other data than data.root={getattr(datamodule, 'root', None)}: "
-                             + "; ".join(mismatches)
-                             + ". Evaluate it on data with the same classes (ids, vocabulary), or fine-tune it with fit.")
+            refuse_other_data(source, datamodule, self.data_identity_mismatches(datamodule))
 
     def on_validation_start(self) -> None:
-        self._resolve_verdicts(wait=True, log=False)  # no validation of a run that must stop
+        self.nonfinite_guard.resolve(self, wait=True, log=False)  # no validation of a run that must stop
         if not self.trainer.sanity_checking:
             self.check_data_identity()
 
@@ -394,7 +272,7 @@ class TaskModule(LightningModule):
 
     # -- checkpoints ------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._resolve_verdicts(wait=True, log=False)  # a run that must stop writes no checkpoint
+        self.nonfinite_guard.resolve(self, wait=True, log=False)  # a run that must stop writes no checkpoint
         # resuming mid-epoch replays dropout and augmentation draws exactly only with the RNG states
         checkpoint["rng_states"] = rng_states()
         checkpoint["suite_task"] = qualified_name(type(self))
@@ -404,15 +282,10 @@ class TaskModule(LightningModule):
             checkpoint["wandb_group"] = group
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if "rng_states" in checkpoint and self._trainer is not None and self._trainer.state.fn == "fit":
+        if "rng_states" in checkpoint and self.fitting():
             set_rng_states(checkpoint["rng_states"])
-        saved = checkpoint.get("hyper_parameters", {})
-        differing = [f"{arg}: checkpoint {_short(saved[arg])} vs now {_short(value)}"
-                     for arg, value in self.data_identity().items()
-                     if arg in saved and plain(saved[arg]) != plain(value)]
-        if differing:
-            raise ValueError("the checkpoint was trained on other data than this run's: " + "; ".join(differing))
-        self.skipped_nonfinite_steps = self._logged_nonfinite_steps = 0
+        refuse_checkpoint_of_other_data(self, checkpoint)
+        self.nonfinite_guard.reset_counts()
 
     # -- what `test` and `predict` leave for their output callbacks (tasks/outputs/) -----------------------
     def output_callbacks(self) -> list:
@@ -438,23 +311,3 @@ class TaskModule(LightningModule):
         """Concatenate a per-rank Python list over all ranks (uneven lengths are fine), e.g. the
         hypotheses a corpus metric scores."""
         return gather(self.trainer, items)
-
-def without_start_weights(hparams: dict[str, Any]) -> dict[str, Any]:
-    """Saved constructor arguments without the weights training started from (``weights``, the backbone's
-    ``pretrained``): the checkpoint's own weights replace them, so rebuilding it (``--ckpt_path``,
-    ``tasks.load``) needs no start file, which the machine that evaluates may not have."""
-    hparams = dict(hparams)
-    if hparams.get("weights") is not None:
-        hparams["weights"] = None
-    backbone = hparams.get("backbone")
-    init_args = backbone.get("init_args") if isinstance(backbone, dict) else None
-    if isinstance(init_args, dict) and init_args.get("pretrained") is not None:
-        hparams["backbone"] = {**backbone, "init_args": {**init_args, "pretrained": None}}
-    return hparams
-
-
-def _short(value, limit: int = 6) -> str:
-    if isinstance(value, (list, tuple)):
-        head = ", ".join(repr(v) for v in list(value)[:limit])
-        return f"[{head}{', ...' if len(value) > limit else ''}] ({len(value)})"
-    return repr(value)

@@ -98,3 +98,17 @@ def plain(value: Any) -> Any:
         return value
     # a class or callable given in Python: its name (a checkpoint holds plain values only)
     return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', repr(value))}"
+
+
+def without_start_weights(hparams: dict[str, Any]) -> dict[str, Any]:
+    """Saved constructor arguments without the weights training started from (``weights``, the backbone's
+    ``pretrained``): the checkpoint's own weights replace them, so rebuilding it (``--ckpt_path``,
+    ``tasks.load``) needs no start file, which the machine that evaluates may not have."""
+    hparams = dict(hparams)
+    if hparams.get("weights") is not None:
+        hparams["weights"] = None
+    backbone = hparams.get("backbone")
+    init_args = backbone.get("init_args") if isinstance(backbone, dict) else None
+    if isinstance(init_args, dict) and init_args.get("pretrained") is not None:
+        hparams["backbone"] = {**backbone, "init_args": {**init_args, "pretrained": None}}
+    return hparams

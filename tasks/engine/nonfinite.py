@@ -1,11 +1,25 @@
-"""The loss verdict of a training step on its way from the device to the host: whether the loss was finite
-and usable on every rank, read without making the step wait (see ``TaskModule.guard_loss``)."""
+"""The non-finite-loss guard: a NaN/inf loss never updates the weights, and a training step never makes the
+host wait for the device to find out.
+
+Each training batch's verdict (finite, and usable on every rank) is computed on the device, copied to the host
+without waiting (:class:`LossVerdict`), and turned into a no-op update on the device where the optimizer allows
+it (a fused optimizer's ``found_inf``). The host reads the verdicts later: as they arrive, and all of them
+before any checkpoint, validation or the end of training. A non-finite loss then raises, naming its step and
+batch, or (``on_nonfinite_loss="skip"``) is warned about and counted. :class:`NonFiniteGuard` is the whole
+mechanism; ``TaskModule`` calls it from its training hooks.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.nn as nn
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
+
+from layers.compat import skip_update_on_device, supports_device_skip
 
 
 @dataclass
@@ -39,3 +53,123 @@ class LossVerdict:
             self.copied.synchronize()
         finite, usable, loss = self.values.tolist()
         return finite > 0, usable > 0, loss
+
+
+def zero_loss(module: nn.Module) -> torch.Tensor:
+    """A zero loss that reaches every trainable parameter of ``module`` (DDP's gradient all-reduce
+    waits for all of them)."""
+    return sum(p.sum() for p in module.parameters() if p.requires_grad) * 0.0
+
+
+def where(step: int, epoch: int, batch_idx: int) -> str:
+    return f"global step {step} (epoch {epoch}, batch {batch_idx})"
+
+
+class NonFiniteGuard:
+    """The guard of one LightningModule's training (see the module's docstring).
+
+    Args:
+        on_nonfinite_loss: ``"raise"`` stops the run at a NaN/inf loss; ``"skip"`` skips that step on every
+            rank and counts it (``skipped_nonfinite_steps``, logged as ``train/skipped_nonfinite_steps``).
+    """
+
+    def __init__(self, on_nonfinite_loss: Literal["raise", "skip"] = "raise"):
+        self.on_nonfinite_loss = on_nonfinite_loss
+        self.skipped_nonfinite_steps = 0
+        self.skipped_empty_batches = 0
+        self.logged_nonfinite_steps = 0
+        self.verdicts: list[LossVerdict] = []  # on their way to the host, oldest first
+        self.step_usable: torch.Tensor | None = None  # device verdict of this optimizer step's batches
+
+    def reset_counts(self) -> None:
+        self.skipped_nonfinite_steps = self.logged_nonfinite_steps = 0
+
+    def guard(self, module: LightningModule, loss: torch.Tensor | None, batch_idx: int) -> torch.Tensor | None:
+        """The loss to train on; the verdict on it is reached on the device and read later.
+
+        ``loss=None`` (a batch with nothing left to train on) is known on the host: in one process Lightning
+        skips that step; under DDP the rank trains on a zero loss that reaches every parameter, so the
+        gradient all-reduce the other ranks wait for happens, and the verdict skips the update on every rank."""
+        trainer = module.trainer
+        empty = loss is None
+        distributed = trainer.world_size > 1
+        if empty and not distributed:
+            self.count_empty_batch(where(module.global_step, module.current_epoch, batch_idx))
+            return None
+        if empty:
+            loss = zero_loss(module)
+        finite = torch.isfinite(loss.detach()).all()
+        # a batch with nothing to train on is not a non-finite loss: finite, but not usable
+        verdict = torch.stack([finite, torch.zeros_like(finite) if empty else finite]).float()
+        if distributed:  # every rank skips if one must; no barrier, so the host does not wait
+            torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN)
+        usable = verdict[1] > 0
+        self.step_usable = usable if self.step_usable is None else self.step_usable & usable
+        self.verdicts.append(LossVerdict.copy(module.global_step, module.current_epoch, batch_idx,
+                                              torch.cat([verdict, loss.detach().float().reshape(1)])))
+        return loss
+
+    def before_optimizer_step(self, module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        """Apply this step's verdict to the update, on the device where the optimizer allows it.
+
+        A fused optimizer (``fused=True``: Adam, AdamW, SGD, Adagrad) skips its whole update, state and step
+        count included, when its ``found_inf`` tensor is non-zero (the mechanism a gradient scaler uses,
+        :func:`skip_update_on_device`). Under fp16 the scaler sets that tensor itself from its check of the
+        gradients, so a step to skip gets a non-finite gradient instead. Other optimizers, and a fused one
+        before its first update (fused SGD leaves its momentum buffer uninitialised when its first update is
+        skipped), read the verdict on the host here, after the backward is queued: a non-finite loss raises
+        before the update, and a step to skip drops its gradients. With gradient accumulation one unusable
+        batch skips the whole accumulated step."""
+        usable, self.step_usable = self.step_usable, None
+        if usable is None:  # nothing was trained on: no gradients to apply
+            return
+        scaler = getattr(module.trainer.precision_plugin, "scaler", None)
+        if supports_device_skip(optimizer) and scaler is not None:
+            grads = (p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
+            grad = next(grads, None)
+            if grad is not None:
+                grad.masked_fill_(~usable, float("nan"))
+            return
+        if supports_device_skip(optimizer) and optimizer.state:
+            skip_update_on_device(optimizer, ~usable)
+            return
+        if not all(ok for step, ok in self.resolve(module, wait=True, log=True) if step == module.global_step):
+            optimizer.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def after_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+        """The device verdict was this step's only: the next step's update is not conditional on it."""
+        skip_update_on_device(optimizer, None)
+
+    def resolve(self, module: LightningModule, wait: bool, log: bool) -> list[tuple[int, bool]]:
+        """Read the verdicts that reached the host (all of them with ``wait``), oldest first: raise at a
+        non-finite loss (``on_nonfinite_loss=raise``), or warn and count the skipped step. Returns
+        ``(global step, usable)`` of each verdict read."""
+        read = []
+        while self.verdicts and (wait or self.verdicts[0].ready()):
+            record = self.verdicts.pop(0)
+            finite, usable, value = record.read()
+            read.append((record.step, usable))
+            if usable:
+                continue
+            at = where(record.step, record.epoch, record.batch)
+            if not finite and self.on_nonfinite_loss == "raise":
+                self.verdicts.clear()
+                shown = f"{value}" if not math.isfinite(value) else "on another rank"
+                raise FloatingPointError(
+                    f"non-finite loss ({shown}) at {at}; its optimizer step made no update, and the run stopped "
+                    "before any later checkpoint, so no checkpoint holds the result. Lower the learning rate, check "
+                    "the batch, or set model.on_nonfinite_loss=skip to skip and count such steps.")
+            if finite:
+                self.count_empty_batch(at)
+                continue
+            self.skipped_nonfinite_steps += 1
+            rank_zero_warn(f"non-finite loss at {at}: step skipped ({self.skipped_nonfinite_steps} so far)")
+        if log and self.skipped_nonfinite_steps != self.logged_nonfinite_steps:
+            module.log("train/skipped_nonfinite_steps", float(self.skipped_nonfinite_steps), reduce_fx="max")
+            self.logged_nonfinite_steps = self.skipped_nonfinite_steps
+        return read
+
+    def count_empty_batch(self, at: str) -> None:
+        self.skipped_empty_batches += 1
+        rank_zero_warn(f"no readable image left in the batch at {at} (on some rank): step skipped")
