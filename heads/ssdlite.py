@@ -16,6 +16,9 @@ The head owns everything between the backbone's features and boxes in pixels, as
 travel with the predictions), :meth:`SSDLiteHead.loss` matches them to the ground truth, and
 :meth:`SSDLiteHead.postprocess` turns them into detections in the input's pixels or, given each
 image's original size, in the original image's. A caller never handles anchors or scales boxes.
+The selection itself (top-k per class, threshold, NMS, the best per image) is
+:meth:`SSDLiteHead.select`, in fixed shapes, which the ONNX graph of :mod:`tasks.export.detection`
+runs too: the exported detector and ``postprocess`` cannot select differently.
 
 Classes are the dataset's contiguous labels ``0 .. num_classes - 1``; the head adds the
 background class internally (index 0 of its logits) and never exposes it.
@@ -39,6 +42,41 @@ GLOBAL_LEVEL = -1  #: the output stride that names the global-average-pooled 1x1
 
 #: image sizes ``(height, width)``: a sequence of pairs or a (B, 2) tensor
 ImageSizes = Sequence[Sequence[int]] | torch.Tensor
+
+
+@torch.library.custom_op("suite::nms_keep_mask", mutates_args=())
+def nms_keep_mask(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float,
+                  score_threshold: float) -> torch.Tensor:
+    """Per-group NMS as a fixed-shape mask. boxes (G, N, 4) x1y1x2y2, scores (G, N) -> (G, N) bool:
+    True for the boxes with score > ``score_threshold`` that no higher-scoring box of their group
+    overlaps with IoU > ``iou_threshold``.
+
+    An op of its own because NMS keeps a data-dependent number of boxes, which an exported graph
+    cannot trace; as one op with a fixed-shape result it exports, as ONNX ``NonMaxSuppression``
+    (the lowering is in :mod:`tasks.export.detection`)."""
+    groups, n = scores.shape
+    flat_scores = scores.reshape(-1)
+    candidate = (flat_scores > score_threshold).nonzero().squeeze(1)
+    kept = candidate[batched_nms(boxes.reshape(-1, 4)[candidate], flat_scores[candidate], candidate // n,
+                                 iou_threshold)]
+    keep = torch.zeros(groups * n, dtype=torch.bool, device=scores.device)
+    keep[kept] = True
+    return keep.view(groups, n)
+
+
+@nms_keep_mask.register_fake
+def _nms_keep_mask_shape(boxes, scores, iou_threshold, score_threshold):
+    return torch.empty_like(scores, dtype=torch.bool)
+
+
+class Detections(NamedTuple):
+    """A batch's detections in fixed shapes (:meth:`SSDLiteHead.select`), best first. Rows
+    ``num_detections[b]`` and after of image ``b`` are padding: box 0, score 0, label -1."""
+
+    boxes: torch.Tensor  #: (B, D, 4) x1y1x2y2, in the pixels of the boxes given to ``select``
+    scores: torch.Tensor  #: (B, D)
+    labels: torch.Tensor  #: (B, D) int64 in 0..num_classes-1
+    num_detections: torch.Tensor  #: (B,) int64
 
 
 class SSDLiteOutputs(NamedTuple):
@@ -285,36 +323,50 @@ class SSDLiteHead(nn.Module):
             raise ValueError(f"{len(sizes)} original sizes for a batch of {len(boxes)} images")
         return scores, boxes * sizes[:, [1, 0, 1, 0]].unsqueeze(1)
 
+    def select(self, scores: torch.Tensor, boxes: torch.Tensor) -> Detections:
+        """The detections of a batch in fixed shapes, from each anchor's class probabilities ``scores``
+        (B, A, C) and box ``boxes`` (B, A, 4) x1y1x2y2 (:meth:`scores_and_boxes`): per image and class
+        the ``topk_candidates`` best anchors, of those the ones scoring above ``score_threshold``,
+        class-wise NMS at ``nms_threshold``, then per image the best ``detections_per_image``
+        (D = min(detections_per_image, topk_candidates * C) rows, padded past ``num_detections``).
+
+        Detections of equal score keep the candidates' order (by rank within the class, then by class):
+        a stable sort, as ONNX's TopK in the exported graph orders them too. Every shape is fixed by
+        the input's; only inside :func:`nms_keep_mask` do counts vary."""
+        batch, num_anchors, num_classes = scores.shape
+        k = min(self.topk_candidates, num_anchors)
+        top_scores, top_anchor = scores.topk(k, dim=1)  # (B, k, C): each class's k best anchors
+        candidates = boxes.gather(1, top_anchor.reshape(batch, -1, 1).expand(-1, -1, 4))  # (B, k * C, 4)
+        # NMS within each (image, class) group, the groups first
+        by_class = candidates.view(batch, k, num_classes, 4).transpose(1, 2).reshape(-1, k, 4)
+        keep = nms_keep_mask(by_class, top_scores.transpose(1, 2).reshape(-1, k), self.nms_threshold,
+                             self.score_threshold)
+        # the mask already requires the threshold; required again so that the graph does not depend on how
+        # a runtime's NonMaxSuppression treats a score equal to it
+        keep = keep.view(batch, num_classes, k).transpose(1, 2).reshape(batch, -1) & (
+            top_scores.reshape(batch, -1) > self.score_threshold)  # (B, k * C), index = rank * C + class
+
+        count = min(self.detections_per_image, k * num_classes)
+        ranked, order = torch.where(keep, top_scores.reshape(batch, -1), -1.0).sort(dim=1, descending=True,
+                                                                                     stable=True)
+        index = order[:, :count]  # (B, D)
+        valid = keep.gather(1, index)
+        return Detections(
+            boxes=torch.where(valid.unsqueeze(-1), candidates.gather(1, index.unsqueeze(-1).expand(-1, -1, 4)), 0.0),
+            scores=torch.where(valid, ranked[:, :count], 0.0),
+            labels=torch.where(valid, index % num_classes, -1),
+            num_detections=valid.sum(dim=1))
+
     @torch.no_grad()
     def postprocess(self, outputs: SSDLiteOutputs, image_size: Sequence[int],
                     original_sizes: ImageSizes | None = None) -> list[dict[str, torch.Tensor]]:
-        """Decode (:meth:`scores_and_boxes`), threshold, keep the top ``topk_candidates`` per class,
-        class-wise NMS, keep the best ``detections_per_image`` -- for the whole batch at once (one NMS
-        call, no Python loop over classes or boxes).
+        """Decode (:meth:`scores_and_boxes`) and select (:meth:`select`: top ``topk_candidates`` per class,
+        threshold, class-wise NMS, the best ``detections_per_image``), for the whole batch at once.
 
         Returns per image ``{"boxes": (D, 4) x1y1x2y2, "scores": (D,), "labels": (D,) in 0..num_classes-1}``,
         sorted by decreasing score; boxes in the pixels of the original image of ``original_sizes`` (per
         image ``(height, width)``) when given, else of the input of ``image_size`` ``(height, width)``.
         """
-        scores, boxes = self.scores_and_boxes(outputs, image_size, original_sizes)
-        batch, num_anchors, _ = scores.shape
-
-        k = min(self.topk_candidates, num_anchors)
-        top_scores, top_anchor = scores.topk(k, dim=1)  # (B, k, C)
-        image_index = torch.arange(batch, device=scores.device).view(batch, 1, 1).expand_as(top_anchor)
-        class_index = torch.arange(self.num_classes, device=scores.device).view(1, 1, -1).expand_as(top_anchor)
-        keep = top_scores > self.score_threshold
-        image_index, class_index, cand_scores = image_index[keep], class_index[keep], top_scores[keep]
-        cand_boxes = boxes[image_index, top_anchor[keep]]
-
-        kept = batched_nms(cand_boxes, cand_scores, image_index * self.num_classes + class_index, self.nms_threshold)
-        # `kept` is sorted by score over the whole batch; a stable sort by image keeps that order per image
-        kept = kept[image_index[kept].argsort(stable=True)]
-        kept_image = image_index[kept]
-        counts = torch.bincount(kept_image, minlength=batch)
-        starts = torch.cumsum(counts, 0) - counts
-        rank_in_image = torch.arange(len(kept), device=kept.device) - starts[kept_image]
-        kept = kept[rank_in_image < self.detections_per_image]
-        counts = counts.clamp(max=self.detections_per_image).tolist()
-        return [{"boxes": b, "scores": s, "labels": c} for b, s, c in
-                zip(cand_boxes[kept].split(counts), cand_scores[kept].split(counts), class_index[kept].split(counts))]
+        found = self.select(*self.scores_and_boxes(outputs, image_size, original_sizes))
+        return [{"boxes": boxes[:n], "scores": scores[:n], "labels": labels[:n]} for boxes, scores, labels, n
+                in zip(found.boxes, found.scores, found.labels, found.num_detections.tolist())]

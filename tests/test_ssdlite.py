@@ -200,6 +200,28 @@ def test_postprocess_matches_per_class_loop():
         assert sorted(zip(det["labels"].tolist(), det["scores"].tolist())) == sorted((r[1], r[0]) for r in ref)
 
 
+def test_select_pads_to_a_fixed_shape_and_ranks_equal_scores_by_candidate_then_class():
+    """What the ONNX graph returns: D = detections_per_image rows, padding past num_detections; equal scores
+    in the candidates' order (each class's best anchor first, the classes in order), as a stable sort."""
+    head = SSDLiteHead(TinyBackbone().feature_channels, num_classes=3, topk_candidates=2, detections_per_image=5,
+                       score_threshold=0.1)
+    # four far-apart boxes (no suppression); classes 0 and 2 score 0.5 on every anchor, class 1 nowhere
+    boxes = torch.tensor([[0.0, 0, 1, 1], [10, 10, 11, 11], [20, 20, 21, 21], [30, 30, 31, 31]]).expand(2, -1, -1)
+    scores = torch.tensor([0.5, 0.0, 0.5]).expand(2, 4, -1)
+    found = head.select(scores, boxes)
+    assert found.boxes.shape == (2, 5, 4) and found.scores.shape == found.labels.shape == (2, 5)
+    assert found.num_detections.tolist() == [4, 4]  # 2 candidates x 2 classes
+    assert found.labels[0].tolist() == [0, 2, 0, 2, -1]
+    assert found.scores[0, :4].eq(0.5).all() and found.scores[0, 4:].eq(0).all() and found.boxes[0, 4:].eq(0).all()
+    assert torch.equal(found.boxes[0, 0], found.boxes[0, 1]) and not torch.equal(found.boxes[0, 0], found.boxes[0, 2])
+    outputs = SSDLiteOutputs(torch.randn(2, 4, 4), torch.randn(2, 4, 4), torch.rand(4, 4))
+    detections = head.postprocess(outputs, (64, 64))
+    found = head.select(*head.scores_and_boxes(outputs, (64, 64)))
+    for i, det in enumerate(detections):  # postprocess is select, the padding cut off
+        n = int(found.num_detections[i])
+        assert all(torch.equal(det[k], getattr(found, k)[i, :n]) for k in ("boxes", "scores", "labels"))
+
+
 def test_postprocess_gives_boxes_in_each_original_image_clipped_to_it():
     """With the original sizes, the same detections as in input pixels, each box scaled by its own image's
     width and height ratios (not swapped, not the input's) and inside that image."""

@@ -3,7 +3,10 @@ pixels), ``scores (B, D)``, ``labels (B, D)`` (0 .. K-1) and ``num_detections (B
 per-class top-k, the score threshold, per-class non-maximum suppression (ONNX ``NonMaxSuppression``) and the
 best ``D = detections_per_image`` all run inside the graph; row ``i >= num_detections`` is padding (score 0,
 label -1, box 0). Nothing is left to do outside but scaling the boxes to the original image. The input size
-is fixed: the anchors are constants of the graph."""
+is fixed: the anchors are constants of the graph.
+
+The selection is the head's own (:meth:`heads.ssdlite.SSDLiteHead.select`, which ``postprocess`` runs for
+``test`` and ``predict``); this module only gives ONNX the two ops of it the exporter cannot translate."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -11,8 +14,8 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn as nn
-from torchvision.ops import batched_nms
 
+import heads.ssdlite  # noqa: F401  (registers torch.ops.suite.nms_keep_mask, which the graph calls)
 from tasks.export.onnx import (ATOL, BOX_ATOL, Check, ExportReport, ExportRequest, export_graph, image_metadata,
                                io_note, ort_session, run_torch, seeded_images, size_note)
 
@@ -20,30 +23,8 @@ from tasks.export.onnx import (ATOL, BOX_ATOL, Check, ExportReport, ExportReques
 FLAGS: dict[str, str] = {}
 
 
-@torch.library.custom_op("suite::nms_keep_mask", mutates_args=())
-def nms_keep_mask(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float,
-                  score_threshold: float) -> torch.Tensor:
-    """Per-group NMS as a fixed-shape mask. boxes (G, N, 4) x1y1x2y2, scores (G, N) -> (G, N) bool:
-    True for the boxes with score > ``score_threshold`` that no higher-scoring box of their group
-    overlaps with IoU > ``iou_threshold``. Exported as ONNX ``NonMaxSuppression`` (one batch entry
-    per group), whose output is scattered back into the mask."""
-    groups, n = scores.shape
-    flat_scores = scores.reshape(-1)
-    candidate = (flat_scores > score_threshold).nonzero().squeeze(1)
-    kept = candidate[batched_nms(boxes.reshape(-1, 4)[candidate].float(), flat_scores[candidate].float(),
-                                 candidate // n, iou_threshold)]
-    keep = torch.zeros(groups * n, dtype=torch.bool, device=scores.device)
-    keep[kept] = True
-    return keep.view(groups, n)
-
-
-@nms_keep_mask.register_fake
-def _nms_keep_mask_shape(boxes, scores, iou_threshold, score_threshold):
-    return torch.empty_like(scores, dtype=torch.bool)
-
-
 def _nms_keep_mask_onnx(boxes, scores, iou_threshold: float, score_threshold: float):
-    """ONNX graph of :func:`nms_keep_mask` (onnxscript, traced when the exporter meets the op)."""
+    """ONNX graph of :func:`heads.ssdlite.nms_keep_mask` (onnxscript, traced when the exporter meets the op)."""
     import onnx_ir
     from onnxscript import opset18 as op
 
@@ -57,7 +38,18 @@ def _nms_keep_mask_onnx(boxes, scores, iou_threshold: float, score_threshold: fl
     return op.Reshape(op.Greater(hits, op.Constant(value_float=0.0)), op.Shape(scores))
 
 
-CUSTOM_TRANSLATIONS = {torch.ops.suite.nms_keep_mask.default: _nms_keep_mask_onnx}
+def _stable_sort_onnx(values, stable: bool = False, dim: int = -1, descending: bool = False):
+    """ONNX graph of ``torch.sort(values, dim, descending, stable=True)``, which torch's exporter does not
+    translate: a TopK over the whole axis. ONNX defines TopK's order of equal values, the lower index
+    first, which is a stable sort's."""
+    from onnxscript import opset18 as op
+
+    length = op.Gather(op.Shape(values), op.Constant(value_ints=[dim]))
+    return op.TopK(values, length, axis=dim, largest=1 if descending else 0, sorted=1)
+
+
+CUSTOM_TRANSLATIONS = {torch.ops.suite.nms_keep_mask.default: _nms_keep_mask_onnx,
+                       torch.ops.aten.sort.stable: _stable_sort_onnx}
 
 
 class DetectorGraph(nn.Module):
@@ -65,9 +57,9 @@ class DetectorGraph(nn.Module):
     ``labels (B, D)`` int64 and ``num_detections (B,)`` int64, best first; rows past
     ``num_detections`` are padding (box 0, score 0, label -1).
 
-    The same selection as :meth:`heads.ssdlite.SSDLiteHead.postprocess` in fixed shapes: the
-    ``topk_candidates`` best anchors per class, score > ``score_threshold``, per-class NMS, the
-    best ``detections_per_image`` per image."""
+    The head's own selection, :meth:`heads.ssdlite.SSDLiteHead.select`, the one
+    ``SSDLiteHead.postprocess`` runs: the ``topk_candidates`` best anchors per class, score >
+    ``score_threshold``, per-class NMS, the best ``detections_per_image`` per image."""
 
     def __init__(self, task: nn.Module):
         super().__init__()
@@ -75,23 +67,7 @@ class DetectorGraph(nn.Module):
 
     def forward(self, images: torch.Tensor):
         head = self.task.head
-        scores, boxes = head.scores_and_boxes(self.task(images), images.shape[-2:])  # (B, A, C), (B, A, 4)
-        batch, num_anchors, num_classes = scores.shape
-
-        k = min(head.topk_candidates, num_anchors)
-        top_scores, top_anchor = scores.transpose(1, 2).topk(k, dim=2)  # (B, C, k)
-        candidates = boxes.gather(1, top_anchor.reshape(batch, -1, 1).expand(-1, -1, 4))  # (B, C * k, 4)
-        keep = nms_keep_mask(candidates.view(-1, k, 4), top_scores.reshape(-1, k), head.nms_threshold,
-                             head.score_threshold).view(batch, -1)
-        keep = keep & (top_scores.reshape(batch, -1) > head.score_threshold)
-        kept_scores = torch.where(keep, top_scores.reshape(batch, -1), -1.0)
-
-        d = min(head.detections_per_image, num_classes * k)
-        best, index = kept_scores.topk(d, dim=1)  # (B, D)
-        valid = best > -1.0
-        det_boxes = candidates.gather(1, index.unsqueeze(-1).expand(-1, -1, 4)) * valid.unsqueeze(-1)
-        det_labels = torch.where(valid, index // k, -1)
-        return det_boxes, best.clamp(min=0.0), det_labels, valid.sum(dim=1)
+        return tuple(head.select(*head.scores_and_boxes(self.task(images), images.shape[-2:])))
 
 
 def export(request: ExportRequest) -> ExportReport:
