@@ -324,6 +324,12 @@ class MultiHeadAttention(Attention):
         self.proj = nn.Linear(dim, dim, bias=bias)
         self.dropout = dropout
 
+    def project_memory(self, memory: Tensor, value: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Keys and values (B, H, S, head_dim) that queries attend to over ``memory`` (B, S, D) (values from
+        ``value`` (B, S, D) when given): what a static :class:`KVCache` holds after its first call, for a
+        caller that computes them once ahead, such as an exported encoder."""
+        return self._project_kv(self.qkv, self.dim, memory, memory if value is None else value)
+
     def _attend(self, query, key, value, key_padding_mask, attn_mask, is_causal, kv_cache) -> Tensor:
         b, n, _ = query.shape
         if (key is None or key is query) and kv_cache is None:

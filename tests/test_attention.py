@@ -103,6 +103,20 @@ def test_static_cache_reuses_projected_memory_for_cross_attention(name):
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_project_memory_gives_the_keys_and_values_a_static_cache_holds():
+    """What an exported encoder computes ahead: a cache filled with them attends as the first call would."""
+    attn = make("mha")
+    q, mem, values = torch.randn(2, 3, DIM), torch.randn(2, 9, DIM), torch.randn(2, 9, DIM)
+    for value in (None, values):
+        cache = KVCache(static=True)
+        first = attn(q, mem, value, kv_cache=cache)
+        keys, projected = attn.project_memory(mem, value)
+        assert keys.shape == projected.shape == (2, HEADS, 9, DIM // HEADS)
+        assert torch.equal(keys, cache.key) and torch.equal(projected, cache.value)
+        ahead = KVCache(key=keys, value=projected, static=True)
+        assert torch.equal(attn(q, None, kv_cache=ahead), first)
+
+
 def test_mha_equals_torch_multihead_attention_with_masks():
     """Same weights in nn.MultiheadAttention: same outputs under padding + causal masks."""
     attn = make("mha")

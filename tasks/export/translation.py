@@ -57,8 +57,7 @@ class TranslationEncoderGraph(nn.Module):
         memory = self.encoder.norm(x)
         kv = []
         for layer in self.decoder.layers:  # what the first cached step of PyTorch's search projects
-            attention = layer.cross_attn
-            kv += attention._project_kv(attention.qkv, attention.dim, memory, memory)
+            kv += layer.cross_attn.project_memory(memory)
         return torch.stack(kv, dim=1), padding
 
 
