@@ -36,6 +36,11 @@ PRIVATE_NAMES = [
      "layers.compat.skip_update_on_device: the non-finite-loss guard skips a fused update without a host read"),
     ("litdata", "StreamingDataLoader.restore",
      "datamodules.streaming (forget_restored_position): drop a resumed position once its epoch has begun"),
+    ("torchmetrics", "Metric._sync_dist",
+     "layers.compat.GathersOwnStates overrides it: the COCO and VOC mAP metrics gather states that differ in "
+     "length between ranks themselves"),
+    ("torch.nn.modules.batchnorm", "_BatchNorm",
+     "layers.compat.is_batchnorm: which layers normalise with the batch's statistics while training"),
 ]
 
 
@@ -122,3 +127,32 @@ def skip_update_on_device(optimizer: torch.optim.Optimizer, skip: torch.Tensor |
         vars(optimizer).pop("found_inf", None)
         return
     optimizer.found_inf = skip.float()
+
+
+def is_batchnorm(module) -> bool:
+    """Whether ``module`` is a torch batch normalisation layer (BatchNorm1d/2d/3d, their lazy forms,
+    SyncBatchNorm, and subclasses), the layers that normalise with the batch's statistics while
+    training. They share only this private base; a list of the public classes would silently miss
+    one that torch adds."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return isinstance(module, _BatchNorm)
+
+
+class GathersOwnStates:
+    """Base, before torchmetrics' ``Metric``, of a metric that gathers its states across processes
+    itself, in its own ``sync_states(group)`` (the process group, ``None`` for all processes).
+
+    torchmetrics (``Metric._sync_dist``, which this overrides) gathers a list state with one collective
+    per element, and its public ``dist_sync_fn`` argument is called once per element too: ranks that
+    hold different numbers of elements (images, batches) would wait on each other forever. With a
+    ``"cat"`` reduction it gathers one concatenated tensor instead, which loses where each image's
+    rows end, and a rank without data sends a 1-d float placeholder that other ranks' (N, 4) boxes
+    cannot meet. torchmetrics still copies the states before the gathering and restores them after
+    ``compute()`` (``sync`` / ``unsync``)."""
+
+    def _sync_dist(self, dist_sync_fn=None, process_group=None) -> None:
+        self.sync_states(process_group or self.process_group)
+
+    def sync_states(self, group) -> None:  # pragma: no cover - each metric's own
+        raise NotImplementedError

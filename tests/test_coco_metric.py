@@ -232,7 +232,7 @@ def _ddp_worker(rank: int, world_size: int, port: int, dataset, detections, queu
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    ids = dataset.image_ids
+    ids = [int(i) for i in dataset.image_ids]  # a list: `+` below appends
     mine = ids[rank::world_size]
     if rank == 1:
         mine = mine + ids[:1]  # padding repeats an image of rank 0; and ranks hold different counts

@@ -76,3 +76,48 @@ def test_precision_plugin_clips_by_norm_and_value():
     for name in ("clip_grad_by_norm", "clip_grad_by_value"):
         assert callable(getattr(MixedPrecision, name, None)), (
             f"lightning {version('lightning')}: Precision.{name} is gone (tasks/engine/base.py configure_gradient_clipping)")
+
+
+def test_is_batchnorm_names_the_layers_that_use_batch_statistics():
+    import torch.nn as nn
+
+    from layers.compat import is_batchnorm
+
+    batch_norms = [nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.BatchNorm3d(2), nn.SyncBatchNorm(2), nn.LazyBatchNorm2d()]
+    others = [nn.InstanceNorm2d(2), nn.GroupNorm(1, 2), nn.LayerNorm(2), nn.Identity()]
+    assert all(is_batchnorm(m) for m in batch_norms) and not any(is_batchnorm(m) for m in others), (
+        f"torch {version('torch')}: torch.nn.modules.batchnorm._BatchNorm no longer is the base of the batch norms")
+
+
+def test_torchmetrics_syncs_through_the_method_gathers_own_states_overrides():
+    import inspect
+
+    import torch
+    from torchmetrics import Metric
+
+    from layers.compat import GathersOwnStates
+
+    assert "self._sync_dist(" in inspect.getsource(Metric.sync), (
+        f"torchmetrics {version('torchmetrics')}: Metric.sync no longer calls _sync_dist; the COCO and VOC mAP "
+        "metrics' own gathering (layers.compat.GathersOwnStates) would be skipped")
+
+    class Counted(GathersOwnStates, Metric):
+        def __init__(self):
+            super().__init__(distributed_available_fn=lambda: True)  # as if under DDP: compute() syncs
+            self.add_state("seen", default=[], dist_reduce_fx=None)
+            self.groups = []
+
+        def update(self, value):
+            self.seen.append(value)
+
+        def sync_states(self, group):
+            self.groups.append(group)
+            self.seen = self.seen + [torch.tensor(-1.0)]  # what another rank would add
+
+        def compute(self):
+            return torch.stack(self.seen)
+
+    metric = Counted()
+    metric.update(torch.tensor(1.0))
+    assert metric.compute().tolist() == [1.0, -1.0] and metric.groups == [None]
+    assert [t.item() for t in metric.seen] == [1.0]  # restored after compute(), as torchmetrics does

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tasks.engine.optim import InverseSqrtLR, WarmupCosineLR, param_groups
+from tasks.engine.optim import NORM_TYPES, InverseSqrtLR, WarmupCosineLR, param_groups, schedule_arguments
 
 
 def lrs(scheduler, optimizer, steps):
@@ -51,6 +51,27 @@ def test_inverse_sqrt_matches_the_transformer_schedule():
     assert seen[2] == pytest.approx(7e-4 * 2 / 4)
     assert seen[4] == pytest.approx(7e-4)
     assert seen[16] == pytest.approx(7e-4 * math.sqrt(4 / 16))
+
+
+def test_every_torch_norm_layer_is_exempt_from_weight_decay():
+    import inspect
+
+    norms = {name for name, cls in vars(nn).items() if inspect.isclass(cls) and "Norm" in name}
+    assert norms <= {cls.__name__ for cls in NORM_TYPES}, f"add {norms - {c.__name__ for c in NORM_TYPES}} to NORM_TYPES"
+    layer_norm = nn.LayerNorm([4, 4])  # its weight is a matrix: decayed but for the norm rule
+    assert len(param_groups(nn.Sequential(layer_norm))) == 2 and not param_groups(nn.Sequential(layer_norm))[0]["params"]
+
+
+def test_schedule_arguments_leave_out_the_progress():
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    schedule = WarmupCosineLR(optimizer, warmup_steps=3, total_steps=10, min_lr=0.01)
+    for _ in range(4):
+        optimizer.step()
+        schedule.step()
+    assert schedule_arguments(schedule) == {"warmup_steps": 3, "total_steps": 10, "warmup_init_lr": 1e-6,
+                                            "min_lr": 0.01, "base_lrs": [0.1]}
+    assert schedule_arguments(InverseSqrtLR(optimizer, warmup_steps=5)).keys() == {
+        "warmup_steps", "warmup_init_lr", "base_lrs"}
 
 
 def test_param_groups_exempt_norms_biases_and_vectors():

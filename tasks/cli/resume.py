@@ -49,6 +49,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from tasks.engine.checkpoints import plain
+from tasks.engine.optim import schedule_arguments
 
 DATA_ORDER = ("data.seed", "data.shuffle")
 GLOBAL_BATCH = ("data.batch_size", "data.max_tokens", "trainer.accumulate_grad_batches", "world_size")
@@ -177,8 +178,7 @@ def apply_new_optimization(trainer: Trainer, pl_module: LightningModule) -> None
         return
     schedule = trainer.lr_scheduler_configs[0].scheduler
     state = schedule.state_dict()
-    arguments = {k: v for k, v in new_schedule.state_dict().items()
-                 if k not in ("last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial")}
+    arguments = schedule_arguments(new_schedule)
     if getattr(new_schedule, "total_steps", 0) is None:  # the run's length was filled in at its start: keep it
         arguments.pop("total_steps", None)
     schedule.load_state_dict({**state, **arguments})

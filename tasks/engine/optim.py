@@ -16,12 +16,19 @@ are. ``total_steps`` left unset is filled in from the trainer when training star
 """
 from __future__ import annotations
 
+import functools
 import math
+
 import torch
 import torch.nn as nn
 from torch.optim.lr_scheduler import LRScheduler
 
-_NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
+#: torch's normalisation layers, whose weights are never decayed (tests/test_optim.py checks that every
+#: torch.nn class named ...Norm... is here)
+NORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+              nn.LazyBatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
+              nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d, nn.GroupNorm, nn.LayerNorm,
+              nn.LocalResponseNorm, nn.RMSNorm)
 
 
 def param_groups(module: nn.Module, no_weight_decay_on_norm_bias: bool = True) -> list[dict]:
@@ -38,7 +45,7 @@ def param_groups(module: nn.Module, no_weight_decay_on_norm_bias: bool = True) -
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            if isinstance(mod, _NORM_TYPES) or name.endswith("bias") or p.ndim <= 1:
+            if isinstance(mod, NORM_TYPES) or name.endswith("bias") or p.ndim <= 1:
                 no_decay.append(p)
             else:
                 decay.append(p)
@@ -46,6 +53,27 @@ def param_groups(module: nn.Module, no_weight_decay_on_norm_bias: bool = True) -
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     return groups
+
+
+class _Constant(LRScheduler):
+    """A schedule with no arguments of its own: what its ``state_dict()`` holds is torch's bookkeeping."""
+
+    def get_lr(self) -> list[float]:
+        return list(self.base_lrs)
+
+
+@functools.cache
+def _schedule_progress_keys() -> frozenset[str]:
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    return frozenset(_Constant(optimizer).state_dict()) - {"base_lrs"}
+
+
+def schedule_arguments(schedule: LRScheduler) -> dict:
+    """The part of ``schedule.state_dict()`` that its construction set: its own arguments (warm-up steps,
+    total steps, ...) and ``base_lrs``, without the progress torch's ``LRScheduler`` keeps beside
+    them (``last_epoch``, the step count, the last learning rates, ...). The progress keys are those
+    a schedule without arguments saves, so a torch version that adds one leaves it out here too."""
+    return {k: v for k, v in schedule.state_dict().items() if k not in _schedule_progress_keys()}
 
 
 class _StepSchedule(LRScheduler):

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torchmetrics import Metric
 
+from layers.compat import GathersOwnStates
+
 #: ``compute()``'s keys, in the order of ``COCOeval.stats``
 MAP_KEYS = ("map", "map_50", "map_75", "map_small", "map_medium", "map_large", "mar_1", "mar_10", "mar_100",
             "mar_small", "mar_medium", "mar_large")
@@ -43,7 +45,7 @@ def _xywh(xyxy: np.ndarray) -> np.ndarray:
     return np.concatenate([xyxy[:, :2], xyxy[:, 2:] - xyxy[:, :2]], axis=1)
 
 
-class CocoMeanAveragePrecision(Metric):
+class CocoMeanAveragePrecision(GathersOwnStates, Metric):
     """COCO box mAP that counts every image once, however the evaluation set was split across ranks.
 
     Args:
@@ -88,7 +90,7 @@ class CocoMeanAveragePrecision(Metric):
                image_ids: Sequence[int]) -> None:  # type: ignore[override]
         if not (len(preds) == len(target) == len(image_ids)):
             raise ValueError(f"got {len(preds)} predictions, {len(target)} targets and {len(image_ids)} image ids")
-        if not image_ids:
+        if len(image_ids) == 0:  # not `not image_ids`: a numpy array of ids has no truth value
             return
         batch: dict[str, list[torch.Tensor]] = {name: [] for name in _STATES[3:]}
         for pred, gt, image_id in zip(preds, target, image_ids):
@@ -115,9 +117,9 @@ class CocoMeanAveragePrecision(Metric):
         for name, values in batch.items():
             getattr(self, name).append(torch.cat(values))
 
-    def _sync_dist(self, dist_sync_fn=None, process_group=None) -> None:
+    def sync_states(self, group) -> None:
+        """Gather every rank's states (:class:`layers.compat.GathersOwnStates`, before ``compute()``)."""
         # ranks hold different numbers of images and boxes: gather each state, one tensor per rank, as an object
-        group = process_group or self.process_group
         world_size = dist.get_world_size(group)
         for name in _STATES:
             local = getattr(self, name)

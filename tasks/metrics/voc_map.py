@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 from torchmetrics import Metric
 
+from layers.compat import GathersOwnStates
+
 #: the per-image states, each a list with one tensor per image
 _STATES = ("det_boxes", "det_scores", "det_labels", "gt_boxes", "gt_labels", "gt_difficult", "image_ids")
 
@@ -99,7 +101,7 @@ def average_precision(recall: np.ndarray, precision: np.ndarray, use_11_points: 
     return float(np.sum((mrec[steps + 1] - mrec[steps]) * mpre[steps + 1]))
 
 
-class VocMeanAveragePrecision(Metric):
+class VocMeanAveragePrecision(GathersOwnStates, Metric):
     """Pascal VOC mAP@0.5 (see the module docstring), with the interface of
     :class:`tasks.metrics.coco_map.CocoMeanAveragePrecision`.
 
@@ -164,9 +166,9 @@ class VocMeanAveragePrecision(Metric):
                                 ("image_ids", torch.tensor(int(image_id), device=self.device))):
                 getattr(self, name).append(value)
 
-    def _sync_dist(self, dist_sync_fn=None, process_group=None) -> None:
+    def sync_states(self, group) -> None:
+        """Gather every rank's states (:class:`layers.compat.GathersOwnStates`, before ``compute()``)."""
         # ranks hold different numbers of images: gather the per-image lists as objects
-        group = process_group or self.process_group
         world_size = dist.get_world_size(group)
         for name in _STATES:
             gathered: list[list] = [None] * world_size  # type: ignore[list-item]
