@@ -182,10 +182,6 @@ class CocoVocSegmentation(Dataset):
             raise KeyError(f"image_id {image_id} is not in {self.annotation_file}")
         return position
 
-    def voc_pixel_count(self, image_id: int) -> int:
-        """Pixels covered by a VOC-class instance."""
-        return int(self.index["voc_pixels"][self._position(image_id)])
-
     def voc_mask(self, image_id: int) -> np.ndarray:
         """(H, W) uint8 VOC labels (0 background, 1..20) of the image, at the annotation file's size.
 
