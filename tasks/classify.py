@@ -34,7 +34,7 @@ class ClassificationTask(Predictor, TaskModule):
             ``backbones.weights``): the backbone must fit it exactly; its classifier is kept
             when the class count matches and dropped with a warning otherwise. For a
             backbone-only start use the backbone's own ``pretrained`` argument.
-        num_sample_images: images logged to wandb with their predictions each validation epoch,
+        num_sample_images: images logged with their predictions each validation epoch (to every logger that shows media),
             drawn from batches spread over the split.
         Remaining arguments: see :class:`tasks.engine.base.TaskModule`.
     """
@@ -70,7 +70,7 @@ class ClassificationTask(Predictor, TaskModule):
 
     def output_callbacks(self) -> list:
         return [outputs.PredictionsCsv(), outputs.PerClassCsv(), outputs.ConfusedPairsCsv(), outputs.ClassPredictions(),
-                outputs.WandbValidationImages(self.num_sample_images),
+                outputs.ValidationImages(self.num_sample_images),
                 outputs.ConfusionMatrixPng(), outputs.WorstClassifications(self.num_worst_examples)]
 
     def example_input(self, datamodule) -> torch.Tensor | None:

@@ -89,7 +89,7 @@ class DetectionTask(Predictor, TaskModule):
             :class:`heads.ssdlite.SSDLiteHead` with its defaults (the COCO pyramid). Its arguments
             (output strides, projection channels, aspect ratios, anchor scales, box-coder variances,
             matching threshold, hard-negative ratio, post-processing) are the head's own.
-        num_sample_images: validation images logged to wandb with predicted and true boxes.
+        num_sample_images: validation images logged (to every logger that shows media) with predicted and true boxes.
         display_score_threshold: lowest score drawn on logged images, counted in the worst images' F1
             and kept by `predict`.
         draw_predictions: `predict` also writes each image with its boxes drawn.
@@ -126,7 +126,7 @@ class DetectionTask(Predictor, TaskModule):
 
     def output_callbacks(self) -> list:
         return [outputs.DetectionsJson(), outputs.PerClassAP(), outputs.DetectionPredictions(self.draw_predictions),
-                outputs.WandbValidationBoxes(self.num_sample_images), outputs.WorstDetections(self.num_worst_examples)]
+                outputs.ValidationBoxes(self.num_sample_images), outputs.WorstDetections(self.num_worst_examples)]
 
     def example_input(self, datamodule) -> torch.Tensor | None:
         spec = input_spec_of(datamodule, self.input_spec_rule)

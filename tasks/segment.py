@@ -61,7 +61,7 @@ class SegmentationTask(Predictor, TaskModule):
         class_weights: per-class weights of the cross-entropy (mmsegmentation's ``class_weight``),
             e.g. to stop a dominant background from drowning the rare classes; ``None``: all 1.
             The loss stays a weighted mean over the labelled pixels; scores are unaffected.
-        num_sample_images: validation images logged to wandb with prediction / truth masks each epoch.
+        num_sample_images: validation images logged with prediction / truth masks each epoch (media loggers).
         Remaining arguments: see :class:`tasks.engine.base.TaskModule`.
     """
 
@@ -91,14 +91,14 @@ class SegmentationTask(Predictor, TaskModule):
         self.num_sample_images = num_sample_images
         self.val_miou = MeanIoU(num_classes, ignore_index)
         self.test_miou = MeanIoU(num_classes, ignore_index)
-        #: per-class IoU of the last validation, for its wandb table
+        #: per-class IoU of the last validation, for its logged table
         self.val_class_iou: torch.Tensor | None = None
         #: the test split's (K, K) confusion matrix summed over ranks (rows: truth), for ``per_class.csv``
         self.test_confusion: torch.Tensor | None = None
 
     def output_callbacks(self) -> list:
         return [outputs.TestMasks(), outputs.PerClassIoUCsv(), outputs.PredictMasks(),
-                outputs.WandbPerClassIoU(), outputs.WandbValidationOverlays(self.num_sample_images),
+                outputs.PerClassIoUTable(), outputs.ValidationOverlays(self.num_sample_images),
                 outputs.WorstSegmentations(self.num_worst_examples)]
 
     # -- model ----------------------------------------------------------------------------------------------

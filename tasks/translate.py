@@ -13,7 +13,6 @@ the checkpoint and the text, and `validate`/`test` refuse data whose vocabulary 
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any, Literal
 
 import torch
@@ -72,7 +71,7 @@ class TranslationTask(Predictor, TaskModule):
             (:mod:`tasks.metrics.bleu`): ``paper`` (the 2016-12 script the Transformer paper was scored with,
             logged as ``*/bleu_tok_compound``) or ``master`` (the script since 2018-11, which splits a
             sentence-final non-breaking prefix's period, logged as ``*/bleu_tok_compound_moses_master``).
-        num_sample_translations: rows of the wandb tables of validation and test translations.
+        num_sample_translations: rows of the logged tables of validation and test translations.
         predict_output: where `predict` writes its translations (``-`` = standard output).
         Remaining arguments: see :class:`tasks.engine.base.TaskModule`.
     """
@@ -119,7 +118,7 @@ class TranslationTask(Predictor, TaskModule):
     def output_callbacks(self) -> list:
         return [outputs.HypothesesTxt(), outputs.BleuSignatureTxt(), outputs.HypothesesTsv(),
                 outputs.WorstTranslations(self.num_worst_examples), outputs.PredictedTranslations(self.predict_output),
-                outputs.WandbTranslations(self.num_sample_translations)]
+                outputs.ValidationTranslations(self.num_sample_translations)]
 
     # -- model -----------------------------------------------------------------------------------
     #: the sentence pair whose teacher-forced forward gives ``gflops``: 32 source and 32 target
@@ -318,9 +317,7 @@ def main(args=None):
     """``python -m tasks.translate fit|validate|test|predict|export``; returns what the command built."""
     from tasks.cli.suite import main as run_command
 
-    argv = sys.argv[1:] if args is None else list(args)
-    with outputs.translations_stdout("predict" in argv and "--print_config" not in argv):
-        return run_command("translate", args)
+    return run_command("translate", args)
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ class TaskModule(LightningModule):
 
     def configure_callbacks(self) -> list:
         """The compile report (when compiling) and the files `test` and `predict` write: ``metrics.json``,
-        the task's :meth:`output_callbacks`, then the wandb tables that read them."""
+        the task's :meth:`output_callbacks`, then the logged tables that read them."""
         compiling = [CompileReport()] if self.compile_mode else []
         return [*compiling, MetricsJson(), *self.output_callbacks(), TestTables()]
 
@@ -290,7 +290,7 @@ class TaskModule(LightningModule):
     # -- what `test` and `predict` leave for their output callbacks (tasks/outputs/) -----------------------
     def output_callbacks(self) -> list:
         """The task's own output callbacks (:mod:`tasks.outputs`), numbers before pictures; the suite adds
-        ``metrics.json`` before them and the wandb tables after them (:meth:`configure_callbacks`)."""
+        ``metrics.json`` before them and the logged tables after them (:meth:`configure_callbacks`)."""
         return []
 
     @property

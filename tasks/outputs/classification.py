@@ -145,7 +145,3 @@ class ValidationImages(ValidationSamples):
         names = pl_module.class_names
         media.log_image("val/samples", stretched(torch.stack([image for image, _, _ in samples])),
                         captions=[f"pred {names[int(p)]} / true {names[int(t)]}" for _, p, t in samples])
-
-
-# old name, used by tasks/classify.py until it switches
-WandbValidationImages = ValidationImages

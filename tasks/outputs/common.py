@@ -156,8 +156,6 @@ class TestTables(Callback):
                                     captions=[f"{row[0]}: {row[1]}" for row in rows])
 
 
-# old name, imported by tasks/engine/base.py until it switches
-WandbTestTables = TestTables
 
 
 class PredictWriter(BasePredictionWriter):

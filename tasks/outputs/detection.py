@@ -176,7 +176,3 @@ class ValidationBoxes(Callback):
                              "ground_truth": Boxes(target["boxes"].cpu(), target["labels"].cpu(), class_names,
                                                    colour="lime")})
         media.log_image("val/samples", stretched(images[:n]), overlays=overlays)
-
-
-# old name, used by tasks/detect.py until it switches
-WandbValidationBoxes = ValidationBoxes

@@ -143,8 +143,6 @@ class ValidationOverlays(ValidationSamples):
         media.log_image("val/overlays", images, step=pl_module.global_step, overlays=overlays)
 
 
-# old name, used by tasks/segment.py until it switches
-WandbValidationOverlays = ValidationOverlays
 
 
 def input_size_mask(labels: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
@@ -165,7 +163,3 @@ class PerClassIoUTable(Callback):
             return
         rows = [[name, float(iou)] for name, iou in zip(pl_module.class_names, class_iou.tolist())]
         media.log_table("val/per_class", ["class", "iou"], rows)
-
-
-# old name, used by tasks/segment.py until it switches
-WandbPerClassIoU = PerClassIoUTable

@@ -128,32 +128,22 @@ class ValidationTranslations(Callback):
                         [list(s) for s in sentences[::step][: self.count]])
 
 
-# old name, used by tasks/translate.py until it switches
-WandbTranslations = ValidationTranslations
-
-
-#: the stream `predict` writes translations to for ``predict_output="-"`` (see :func:`translations_stdout`)
-_TRANSLATIONS_STDOUT = None
 
 
 @contextlib.contextmanager
-def translations_stdout(enabled: bool) -> Iterator[None]:
-    """Keep standard output for the translations only: progress bars, wandb and Lightning messages
-    printed meanwhile go to standard error, so ``predict < in > out`` yields clean text."""
-    global _TRANSLATIONS_STDOUT
-    if not enabled:
-        yield
-        return
+def standard_output_kept() -> Iterator[TextIO]:
+    """A stream to the process's standard output, kept for one writer: meanwhile everything else printed to
+    standard output (progress bars, wandb and Lightning messages) goes to standard error, so
+    ``predict < in > out`` yields clean text."""
     sys.stdout.flush()
     saved_fd = os.dup(1)
-    _TRANSLATIONS_STDOUT = open(os.dup(saved_fd), "w", encoding="utf-8", closefd=True)
+    kept = open(os.dup(saved_fd), "w", encoding="utf-8", closefd=True)
     saved_stdout, sys.stdout = sys.stdout, sys.stderr
     os.dup2(2, 1)
     try:
-        yield
+        yield kept
     finally:
-        _TRANSLATIONS_STDOUT.close()
-        _TRANSLATIONS_STDOUT = None
+        kept.close()
         sys.stdout.flush()
         os.dup2(saved_fd, 1)
         os.close(saved_fd)
@@ -164,14 +154,24 @@ class PredictedTranslations(PredictWriter):
     """`predict`'s translations, one per input line in its order. Rows: ``(index, translation, whether the
     source was cut to max_positions - 1 tokens)``; the cut lines are warned about, naming the first.
 
-    ``output``: a file, or ``-`` for standard output. ``stream``: where the translations go instead, e.g. the
-    standard output a command kept for them alone; ``None``: ``output``'s file, or for ``-`` the stream
-    :func:`translations_stdout` keeps (else ``sys.stdout``)."""
+    ``output``: a file, or ``-`` for standard output, which the writer keeps for the translations alone while
+    `predict` runs (:func:`standard_output_kept`). ``stream``: where the translations go instead (Python use)."""
 
     def __init__(self, output: str, stream: TextIO | None = None):
         super().__init__()
         self.output = output
         self.stream = stream
+        self.kept_output = None  # standard output, kept from setup to teardown of `predict`
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "predict" and self.output == "-" and self.stream is None:
+            self.kept_output = standard_output_kept()
+            self.stream = self.kept_output.__enter__()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self.kept_output is not None:
+            self.kept_output.__exit__(None, None, None)
+            self.kept_output = self.stream = None
 
     def destination(self, trainer) -> str:
         if self.output == "-":
@@ -193,7 +193,7 @@ class PredictedTranslations(PredictWriter):
         if stream is None and self.output != "-":
             write_lines(Path(self.output), lines)
             return
-        if stream is None:  # no stream given: the one tasks/translate.py's main keeps, while it runs the command
-            stream = _TRANSLATIONS_STDOUT or sys.stdout
+        if stream is None:  # not set up by a Trainer's predict: this process's standard output as it is
+            stream = sys.stdout
         stream.write("".join(line + "\n" for line in lines))
         stream.flush()
