@@ -76,6 +76,12 @@ def task_declaration(name: str) -> TaskDeclaration:
         raise ValueError(f"{path}: {err}") from None
 
 
+def declaration_of(module_class: str) -> TaskDeclaration | None:
+    """The declaration of the task whose LightningModule is ``module_class`` (a class path), if any."""
+    return next((task_declaration(name) for name in task_names() if task_declaration(name).module == module_class),
+                None)
+
+
 def is_recipe(path: Path) -> bool:
     """Whether a YAML file under ``configs/`` is a recipe (and not a task's declaration)."""
     return path.suffix == ".yaml" and path.name != DECLARATION_FILE

@@ -18,7 +18,6 @@ from heads.classifier import ClassifierHead
 from tasks.outputs.common import displayable
 from tasks.engine.base import TaskModule
 from tasks.engine.predictor import Predictor
-from tasks.export import classification as onnx_classification
 from tasks.outputs import classification as outputs
 
 
@@ -42,8 +41,6 @@ class ClassificationTask(Predictor, TaskModule):
     DATA_LINKS = {"classes": "class_names"}
     #: the input specification of an image-folder datamodule's arguments (see :class:`tasks.engine.predictor.Predictor`)
     input_spec_rule = staticmethod(classification_spec)
-    #: the module that writes this task's ONNX graph and checks it (``python -m tasks.classify export``)
-    onnx_export = onnx_classification
 
     def __init__(self, backbone: Backbone, class_names: list[str], head_dropout: float = 0.0,
                  label_smoothing: float = 0.0, weights: str | None = None, num_sample_images: int = 16,

@@ -25,7 +25,6 @@ from heads.ssdlite import ImageSizes, SSDLiteHead, SSDLiteOutputs
 from tasks.outputs.common import displayable
 from tasks.engine.base import TaskModule
 from tasks.engine.predictor import Predictor
-from tasks.export import detection as onnx_detection
 from tasks.metrics.coco_map import MAP_KEYS, CocoMeanAveragePrecision
 from tasks.metrics.voc_map import VocMeanAveragePrecision
 from tasks.outputs import detection as outputs
@@ -99,8 +98,6 @@ class DetectionTask(Predictor, TaskModule):
     DATA_LINKS = {"num_classes": "num_classes", "category_ids": "category_ids", "category_names": "category_names"}
     #: the input specification of a detection datamodule's arguments (see :class:`tasks.engine.predictor.Predictor`)
     input_spec_rule = staticmethod(detection_spec)
-    #: the module that writes this task's ONNX graph and checks it (``python -m tasks.detect export``)
-    onnx_export = onnx_detection
 
     def __init__(self, backbone: Backbone, num_classes: int, category_ids: list[int] | None = None,
                  category_names: list[str] | None = None, head: DetectionHeadFactory | None = None,

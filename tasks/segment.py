@@ -27,7 +27,6 @@ from heads.seg_common import SegmentationHead
 from tasks.outputs.common import displayable
 from tasks.engine.base import TaskModule
 from tasks.engine.predictor import Predictor
-from tasks.export import segmentation as onnx_segmentation
 from tasks.metrics.miou import MeanIoU, image_miou
 from tasks.outputs import segmentation as outputs
 
@@ -68,8 +67,6 @@ class SegmentationTask(Predictor, TaskModule):
     DATA_LINKS = {"class_names": "class_names"}
     #: the input specification of a segmentation datamodule's arguments (see :class:`tasks.engine.predictor.Predictor`)
     input_spec_rule = staticmethod(segmentation_spec)
-    #: the module that writes this task's ONNX graph and checks it (``python -m tasks.segment export``)
-    onnx_export = onnx_segmentation
 
     def __init__(self, backbone: Backbone, class_names: list[str], head: HeadFactory | None = None,
                  ignore_index: int = IGNORE_INDEX, aux_weight: float = 0.4, class_weights: list[float] | None = None,

@@ -25,7 +25,6 @@ from heads.decoding import Hypotheses, beam_search, greedy_search, max_output_le
 from heads.seq2seq import TransformerDecoder
 from tasks.engine.base import TaskModule
 from tasks.engine.predictor import Predictor
-from tasks.export import translation as onnx_translation
 from tasks.metrics.bleu import MosesVersion, corpus_bleu, corpus_chrf, tokenized_compound_split_bleu
 from tasks.outputs import translation as outputs
 
@@ -78,8 +77,6 @@ class TranslationTask(Predictor, TaskModule):
 
     DATA_LINKS = {"vocab_size": "vocab_size", "pad_id": "pad_id", "bos_id": "bos_id", "eos_id": "eos_id",
                   "max_positions": "max_positions"}
-    #: the module that writes this task's ONNX graph and checks it (``python -m tasks.translate export``)
-    onnx_export = onnx_translation
 
     def __init__(self, vocab_size: int, pad_id: int = 0, bos_id: int = 2, eos_id: int = 3,
                  max_positions: int = 256, dim: int = 512, encoder_depth: int = 6, decoder_depth: int = 6,

@@ -8,7 +8,8 @@ resolved against the checkpoint's as the datamodule resolves them
 writes the graph next to the checkpoint (``<ckpt stem>.onnx``) unless ``--output`` says otherwise, runs
 it with ONNX Runtime against the PyTorch model on seeded random inputs, and prints where it wrote and
 the difference it measured. Every input and output is named and the batch size is dynamic. What each
-task's graph computes is in its module, which the task class names in its ``onnx_export`` attribute:
+task's graph computes is in its module, which the task's declaration names (``export`` in
+``configs/<task>/task.yaml``):
 :mod:`tasks.export.classification`, :mod:`tasks.export.detection`, :mod:`tasks.export.segmentation`,
 :mod:`tasks.export.translation`; what they share is :mod:`tasks.export.onnx`.
 
@@ -31,18 +32,21 @@ import yaml
 
 from datamodules.input_spec import InputSpec, resolve_preprocessing
 from configs.recipes import CommandLine, split_command_line
+from configs.tasks import declaration_of
 from tasks.export.onnx import (DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, ExportReport, ExportRequest, check_opset,
                                require_export_extra)
 
 
 # -- the command -----------------------------------------------------------------------------------------------
 def exporter_of(model_class: type):
-    """The module exporting ``model_class``'s checkpoints (its ``FLAGS`` and ``export(request)``), as the task
-    class names it in ``onnx_export``."""
-    exporter = getattr(model_class, "onnx_export", None)
-    if exporter is None:
-        raise ValueError(f"{model_class.__name__} has no ONNX export (its class sets no onnx_export module)")
-    return exporter
+    """The module exporting ``model_class``'s checkpoints (its ``FLAGS`` and ``export(request)``), as the
+    declaration of its task names it (``export`` in ``configs/<task>/task.yaml``)."""
+    from tasks.engine.checkpoints import qualified_name
+
+    declaration = declaration_of(qualified_name(model_class))
+    if declaration is None or not declaration.export:
+        raise ValueError(f"{model_class.__name__} has no ONNX export (no task declares it with an export module)")
+    return importlib.import_module(declaration.export)
 
 
 def export_parser(model_class: type, prog: str):

@@ -3,8 +3,8 @@ Runtime, the parity checks and the report ``export`` prints.
 
 Each task's graph and its parity checks live beside the task (:mod:`tasks.export.classification`,
 :mod:`tasks.export.detection`, :mod:`tasks.export.segmentation`, :mod:`tasks.export.translation`); each
-task class names its exporter module in its ``onnx_export`` attribute (``DetectionTask.onnx_export`` is
-:mod:`tasks.export.detection`) and :mod:`tasks.export.command` runs the command.
+task's declaration names its exporter module (``export: tasks.export.detection`` in
+``configs/detect/task.yaml``) and :mod:`tasks.export.command` runs the command.
 
 Images enter a graph as the model was trained: float32 RGB, ``(pixel / 255 - mean) / std``; every file
 carries what a deployer needs in its metadata (``suite.*`` keys). Which image sizes one graph takes is
