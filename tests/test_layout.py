@@ -65,3 +65,73 @@ def test_no_task_module_writes_a_file():
             if isinstance(node, ast.Call):
                 name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
                 assert name not in writers, f"{module.name}:{node.lineno} calls {name}(): write it from a callback"
+
+
+# -- imports run one way ------------------------------------------------------------------------------------------
+#: the floors of the tree, lowest first; a module imports only from its own floor or one below it. Inside
+#: `tasks/` each folder is a floor of its own: the metrics, what `test` and `predict` write, what a task module
+#: is, the export graphs, how a command runs, the task modules (whose `main()` runs the command), the tools
+#: over finished runs, and the package's own `tasks.load` / `tasks.run`
+FLOORS = [("layers",), ("backbones", "heads"), ("configs", "datamodules"), ("tasks.metrics",), ("tasks.outputs",),
+          ("tasks.engine",), ("tasks.export",), ("tasks.cli",), ("tasks.<task>",), ("tasks.tools",), ("tasks",)]
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def source_modules() -> dict[str, Path]:
+    """Every module of the installed packages (not tests, benchmarks or scripts), by its dotted name."""
+    modules = {}
+    for package in ("layers", "backbones", "heads", "configs", "datamodules", "tasks"):
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            modules[".".join(path.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__init__")] = path
+    return modules
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The repository's modules that ``path`` imports, at its top or inside a function."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found |= {name for name in names if name in modules}
+    return found
+
+
+def floor(module: str) -> int:
+    parts = module.split(".")
+    unit = parts[0]
+    if parts[0] == "tasks" and len(parts) > 1:
+        unit = f"tasks.{parts[1]}" if (REPO_ROOT / "tasks" / parts[1]).is_dir() else "tasks.<task>"
+    return next(i for i, units in enumerate(FLOORS) if unit in units)
+
+
+def test_imports_run_one_way():
+    modules = source_modules()
+    upward = [f"{module} -> {target}" for module, path in modules.items() for target in imports_of(path, modules)
+              if floor(target) > floor(module)]
+    assert not upward, "imports that reach a floor above their own: " + "; ".join(sorted(upward))
+
+
+def test_no_import_circle():
+    modules = source_modules()
+    graph = {module: imports_of(path, modules) - {module} for module, path in modules.items()}
+    state: dict[str, str] = {}  # "open" while its imports are walked, then "done"
+
+    def walk(module: str, trail: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                circle = trail[trail.index(target):] + [module, target] if target in trail else [module, target]
+                raise AssertionError("import circle: " + " -> ".join(circle))
+            if target not in state:
+                walk(target, [*trail, module])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [])

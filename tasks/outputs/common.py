@@ -374,10 +374,3 @@ def draw_after_metrics(draw: Callable[[], None], what: str) -> None:
         draw()
     except Exception:  # a drawing library rejecting one odd sample must not end the run
         log.warning("could not draw %s; the metrics are written", what, exc_info=True)
-
-
-def drawable_boxes(boxes: torch.Tensor) -> torch.Tensor:
-    """(N, 4) xyxy boxes with each pair of corners ordered, so a box read inverted from its annotation
-    (x2 < x1) is drawn over the area it names instead of stopping ``draw_bounding_boxes``."""
-    boxes = boxes.float()
-    return torch.cat([torch.minimum(boxes[:, :2], boxes[:, 2:]), torch.maximum(boxes[:, :2], boxes[:, 2:])], dim=1)

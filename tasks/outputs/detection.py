@@ -23,9 +23,9 @@ import torch
 from lightning.pytorch import Callback
 
 from datamodules.images import output_names, read_rgb
-from tasks.outputs.common import (PredictWriter, TestRows, WorstSamples, draw_after_metrics, drawable_boxes,
-                                  predictions_dir, write_worst_csv)
-from tasks.outputs.media import Boxes, media_sink, stretched
+from tasks.outputs.common import (PredictWriter, TestRows, WorstSamples, draw_after_metrics, predictions_dir,
+                                  write_worst_csv)
+from tasks.outputs.media import Boxes, drawable_boxes, media_sink, stretched
 
 
 def coco_records(det: dict[str, torch.Tensor], category_ids: Sequence[int], **extra) -> list[dict]:

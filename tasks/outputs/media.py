@@ -64,8 +64,6 @@ class Boxes:
         """uint8 (H, W, 3) -> the same with the boxes and their captions drawn on it."""
         from torchvision.utils import draw_bounding_boxes
 
-        from tasks.outputs.common import drawable_boxes  # common imports this module
-
         if not len(self.boxes):
             return picture
         image = torch.from_numpy(np.ascontiguousarray(picture)).permute(2, 0, 1)
@@ -317,3 +315,10 @@ def media_sink(trainer: Trainer) -> MediaSink | None:
     if not sinks:
         return None
     return sinks[0] if len(sinks) == 1 else AllSinks(sinks)
+
+
+def drawable_boxes(boxes: torch.Tensor) -> torch.Tensor:
+    """(N, 4) xyxy boxes with each pair of corners ordered, so a box read inverted from its annotation
+    (x2 < x1) is drawn over the area it names instead of stopping ``draw_bounding_boxes``."""
+    boxes = boxes.float()
+    return torch.cat([torch.minimum(boxes[:, :2], boxes[:, 2:]), torch.maximum(boxes[:, :2], boxes[:, 2:])], dim=1)
