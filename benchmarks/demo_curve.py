@@ -25,6 +25,7 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 import tasks  # noqa: E402
 from configs.recipes import split_command_line  # noqa: E402
+from configs.tasks import task_names  # noqa: E402
 
 
 class CurveRecorder(Callback):
@@ -51,7 +52,7 @@ class CurveRecorder(Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("task", choices=["classify", "detect", "segment", "translate"])
+    parser.add_argument("task", choices=task_names())
     parser.add_argument("--root", default=None, help="run directory (default runs/bench-<task>)")
     args, rest = parser.parse_known_args()
     config, overrides = recipe_and_overrides(rest)

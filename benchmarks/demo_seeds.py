@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS.parent))
+from configs.tasks import task_names  # noqa: E402  (the repository, run as a script)
 
 
 def run_seed(task: str, seed: int, root: Path, overrides: list[str]) -> dict:
@@ -56,7 +58,7 @@ def spread(values: list[float]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("task", choices=["classify", "detect", "segment", "translate"])
+    parser.add_argument("task", choices=task_names())
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--root", default=None, help="run directory (default runs/seeds-<task>)")
     args, overrides = parser.parse_known_args()
