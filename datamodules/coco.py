@@ -54,6 +54,7 @@ from datamodules.detection_common import (DetectionDataModule, ImageFiles,  # no
                                           ssd_train_transform, stack_detection, stack_images)
 from datamodules.images import OnBadImage, guarded, read_rgb
 from datamodules.input_spec import normalization
+from datamodules.loaders import check_repeated_augmentation
 from datamodules.prepared import StringTable, file_signature, prepare
 from layers.machine import AUTO, NumWorkers
 
@@ -402,6 +403,9 @@ class CocoDataModule(DetectionDataModule):
         prepared_dir: where the annotation files' prepared indexes are kept (:mod:`datamodules.prepared`;
             default ``$SUITE_PREPARED_DIR`` or the suite's data cache): the first start parses each file
             once, later starts and the other ranks map its boxes, labels and sizes.
+        repeated_augmentation: repeated augmentation (DeiT's ``RASampler``, timm's ``--aug-repeats``): each
+            training image this many times an epoch, each copy under its own augmentation, the epoch still
+            about the dataset's size (:class:`datamodules.loaders.RepeatedAugmentationSampler`); 1: off.
 
     Batches: ``{"image": (B, 3, S, S), "targets": [B dicts], "skipped": int}`` for fit/validate/test
     (target keys in :class:`CocoDetection`), ``{"image", "path": [B str], "orig_size": (B, 2) long,
@@ -416,9 +420,11 @@ class CocoDataModule(DetectionDataModule):
                  std: tuple[float, float, float] | None = None,
                  batch_size: int = 32, eval_batch_size: int | None = None, num_workers: NumWorkers = AUTO,
                  pin_memory: bool = True, persistent_workers: bool = True, on_bad_image: OnBadImage = "fail",
-                 streaming_root: str | None = None, prepared_dir: str | None = None):
+                 streaming_root: str | None = None, prepared_dir: str | None = None,
+                 repeated_augmentation: int = 1):
         super().__init__()
         check_on_bad_image(on_bad_image)
+        check_repeated_augmentation(repeated_augmentation)
         check_augmentation(augmentation, zoom_out_max)
         self.save_hyperparameters()
         self.hparams.mean, self.hparams.std = normalization(weights, mean, std)

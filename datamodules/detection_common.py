@@ -267,5 +267,6 @@ class DetectionDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         return make_loader(dataset, batch_size=h.batch_size if train else (h.eval_batch_size or h.batch_size),
                            num_workers=h.num_workers, train=train, pin_memory=h.pin_memory,
                            persistent_workers=h.persistent_workers, collate_fn=collate,
-                           trainer=self.trainer if train else None)
+                           trainer=self.trainer if train else None,
+                           repeated_augmentation=h.get("repeated_augmentation", 1))
 

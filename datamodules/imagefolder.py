@@ -39,7 +39,7 @@ from datamodules.images import (
 )
 from datamodules.classification_transforms import MixCollate, train_transform
 from datamodules.input_spec import InputSpec, classification_spec, normalization
-from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
+from datamodules.loaders import SplitLoaders, StreamedSource, check_repeated_augmentation, make_loader
 from datamodules.prepared import StringTable, folder_signature, prepare
 from layers.machine import AUTO, NumWorkers
 
@@ -296,6 +296,9 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         prepared_dir: where the splits' prepared file lists are kept (:mod:`datamodules.prepared`;
             default ``$SUITE_PREPARED_DIR`` or the suite's data cache). The first start lists each
             split once; later starts and the other ranks map that list.
+        repeated_augmentation: repeated augmentation (DeiT's ``RASampler``, timm's ``--aug-repeats``): each
+            training image this many times an epoch, each copy under its own augmentation, the epoch still
+            about the dataset's size (:class:`datamodules.loaders.RepeatedAugmentationSampler`); 1: off.
 
     Batches: see the module docstring.
     """
@@ -313,10 +316,12 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
                  batch_size: int = 128, eval_batch_size: int | None = None, num_workers: NumWorkers = AUTO,
                  pin_memory: bool = True, persistent_workers: bool = True,
                  on_bad_image: Literal["fail", "skip"] = "fail", predict_path: str | None = None,
-                 streaming_root: str | None = None, prepared_dir: str | None = None):
+                 streaming_root: str | None = None, prepared_dir: str | None = None,
+                 repeated_augmentation: int = 1):
         super().__init__()
         if on_bad_image not in ("fail", "skip"):
             raise ValueError(f"on_bad_image must be 'fail' or 'skip', got {on_bad_image!r}")
+        check_repeated_augmentation(repeated_augmentation)
         self.save_hyperparameters()
         self.hparams.mean, self.hparams.std = normalization(weights, mean, std)
         self._root = Path(root).expanduser() if root else None
@@ -424,4 +429,4 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         batch_size = h.batch_size if train else (h.eval_batch_size or h.batch_size)
         return make_loader(dataset, batch_size=batch_size, num_workers=h.num_workers, train=train,
                            pin_memory=h.pin_memory, persistent_workers=h.persistent_workers, collate_fn=collate,
-                           trainer=self.trainer if train else None)
+                           trainer=self.trainer if train else None, repeated_augmentation=h.repeated_augmentation)

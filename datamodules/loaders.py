@@ -6,10 +6,13 @@ of (seed, e) alone, shared by all ranks and sharded across them. The loader is s
 and, after a restart from a checkpoint taken within an epoch, the sampler skips the samples
 already trained on. Each sample's augmentation runs under its own RNG seed (a function of seed,
 epoch and index), so a resumed run draws exactly what the uninterrupted run drew, whatever the
-number of workers.
+number of workers. With ``repeated_augmentation`` k > 1 the training order is
+:class:`RepeatedAugmentationSampler` (DeiT's / timm's repeated augmentation), resumed the same way,
+each copy of an image under its own seed.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterator
 
 import torch
@@ -52,6 +55,72 @@ class ResumableSampler(EpochOrder, DistributedSampler):
         return iter([(i, sample_seed(self.seed, epoch, i)) for i in indices])
 
 
+class RepeatedAugmentationSampler(EpochOrder, DistributedSampler):
+    """Repeated augmentation (``data.repeated_augmentation: k``): every image ``k`` times an epoch, the
+    copies spread over the ranks, each under its own augmentation seed.
+
+    The order is DeiT's ``RASampler`` as timm's ``RepeatAugSampler`` has it (timm
+    ``data/distributed_sampler.py``; torchvision references' ``--ra-sampler``, CVNets'
+    ``sampler.num_repeats``): a permutation from a ``torch.Generator`` seeded with ``seed + epoch``
+    (timm seeds with the epoch alone: the same order at ``seed=0``), each index repeated ``k`` times in a
+    row, padded by wrapping round to a multiple of the world size, rank ``r`` taking every
+    ``world_size``-th element from ``r``, and cut to ``floor(len // 256 * 256 / world_size)`` per rank
+    (``ceil(len / world_size)`` below 256 samples): an epoch still trains about ``len(dataset)`` samples,
+    ``k`` times fewer distinct images. Consecutive copies of an image thus go to consecutive ranks.
+
+    Yields ``(index, sample_seed)`` keys for :class:`SeededSamples`; copy ``c`` of an index (``c``
+    counting on through the wrap-round padding) is seeded with ``sample_seed(seed, epoch, index, c)``.
+    Resumes like :class:`ResumableSampler`: ``start`` counts the samples of the epoch's order over all
+    ranks together. A ``DistributedSampler`` so that Lightning does not wrap it under DDP.
+    """
+
+    #: timm's ``selected_round`` (DeiT's 256): the per-epoch sample count is rounded down to a multiple of it
+    SELECTED_ROUND = 256
+
+    def __init__(self, dataset: Dataset, batch_size: int, repeats: int, seed: int = 0,
+                 num_replicas: int | None = None, rank: int | None = None):
+        if num_replicas is None or rank is None:
+            num_replicas, rank = world()
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
+        self.batch_size, self.repeats = batch_size, check_repeated_augmentation(repeats)
+        size = len(dataset)
+        self.num_samples = math.ceil(size * repeats / num_replicas)  # per rank, before the cut
+        self.total_size = self.num_samples * num_replicas
+        if size >= self.SELECTED_ROUND:
+            selected = size // self.SELECTED_ROUND * self.SELECTED_ROUND // num_replicas
+        else:
+            selected = math.ceil(size / num_replicas)
+        self.num_selected = min(selected, self.num_samples)
+
+    def __len__(self) -> int:
+        return self.num_selected
+
+    def samples_after(self, batches: int) -> int:
+        return self.start + batches * self.batch_size * self.num_replicas
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch, k = self.epoch, self.repeats
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + epoch)
+        order = torch.randperm(len(self.dataset), generator=generator).tolist()
+        repeated = len(order) * k
+        positions = range(self.rank, self.total_size, self.num_replicas)[:self.num_selected]
+        keys = []
+        for position in positions[self.start // self.num_replicas:]:
+            wrapped, at = divmod(position, repeated)
+            index = order[at // k]
+            keys.append((index, sample_seed(self.seed, epoch, index, wrapped * k + at % k)))
+        return iter(keys)
+
+
+def check_repeated_augmentation(repeats: int) -> int:
+    """``data.repeated_augmentation`` checked: an integer >= 1 (1: off)."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"data.repeated_augmentation is the number of copies of each image an epoch, an integer "
+                         f">= 1 (1: off), got {repeats!r}")
+    return repeats
+
+
 class SeededSamples(Dataset):
     """Runs ``dataset[index]`` under the RNG seed that came with the index (:func:`run_seeded`)."""
 
@@ -78,15 +147,22 @@ class SuiteTrainLoader(ResumableLoader, SuiteDataLoader):
 
 def make_loader(dataset: Dataset, *, batch_size: int, num_workers: NumWorkers, train: bool, pin_memory: bool = True,
                 persistent_workers: bool = True, prefetch_factor: int | None = None,
-                collate_fn: Callable | None = None, trainer=None, seed: int = 0) -> DataLoader:
+                collate_fn: Callable | None = None, trainer=None, seed: int = 0,
+                repeated_augmentation: int = 1) -> DataLoader:
     """A DataLoader with the suite's conventions: resumable seeded shuffling and drop_last for
     training (:class:`SuiteTrainLoader`), unrepeated distributed
     sampling for evaluation, training workers kept alive between epochs (evaluation workers are not). A split streamed from an optimized
     dataset (an ``IterableDataset``: :class:`datamodules.streaming.StreamedSplit`) gets LitData's loader
     with the same conventions (:func:`datamodules.streaming.streaming_loader`). ``num_workers="auto"``
-    starts the workers this process's CPU plan gives (:func:`layers.machine.loader_workers`)."""
+    starts the workers this process's CPU plan gives (:func:`layers.machine.loader_workers`).
+    ``repeated_augmentation`` > 1 trains with :class:`RepeatedAugmentationSampler` (evaluation loaders
+    ignore it)."""
     num_workers = loader_workers(num_workers)
+    repeats = check_repeated_augmentation(repeated_augmentation) if train else 1
     if isinstance(dataset, IterableDataset):
+        if repeats > 1:
+            raise ValueError("data.repeated_augmentation > 1 needs the folder-read loaders: a streamed split "
+                             "(data.streaming_root) is ordered by LitData, which repeats no sample")
         from datamodules.streaming import streaming_loader
 
         return streaming_loader(dataset, batch_size=batch_size, num_workers=num_workers, train=train,
@@ -100,7 +176,11 @@ def make_loader(dataset: Dataset, *, batch_size: int, num_workers: NumWorkers, t
         if prefetch_factor is not None:
             extra["prefetch_factor"] = prefetch_factor
     drop_last = train and len(dataset) > batch_size
-    if train:
+    if repeats > 1:
+        sampler = RepeatedAugmentationSampler(dataset, batch_size, repeats, seed=seed)
+        drop_last = len(sampler) > batch_size
+        dataset = SeededSamples(dataset)
+    elif train:
         sampler = ResumableSampler(dataset, batch_size, seed=seed, drop_last=drop_last)
         dataset = SeededSamples(dataset)
     else:

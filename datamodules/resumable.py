@@ -39,10 +39,16 @@ def world() -> tuple[int, int]:
     return 1, 0
 
 
-def sample_seed(seed: int, epoch: int, index: int) -> int:
+def sample_seed(seed: int, epoch: int, index: int, copy: int = 0) -> int:
     """The RNG seed of sample ``index``'s augmentation in ``epoch``: the same whatever the order, the
-    rank or the worker that reads it, and whether it is read from files or streamed."""
-    return hash((seed, epoch, index)) & 0x7FFF_FFFF
+    rank or the worker that reads it, and whether it is read from files or streamed.
+
+    ``copy``: which of the sample's copies in the epoch under repeated augmentation
+    (:class:`datamodules.loaders.RepeatedAugmentationSampler`), each drawing its own augmentation; copy 0
+    draws what the sample draws without repeats. (Python hashes tuples of ints the same in every process.)"""
+    if copy == 0:
+        return hash((seed, epoch, index)) & 0x7FFF_FFFF
+    return hash((seed, epoch, index, copy)) & 0x7FFF_FFFF
 
 
 def run_seeded(read: Callable[[], object], seed: int):

@@ -56,7 +56,7 @@ from torch.utils.data import ConcatDataset, Dataset
 from datamodules.demo import demo_root
 from datamodules.images import collate_skipping, predict_images
 from datamodules.input_spec import InputSpec, normalization, segmentation_spec
-from datamodules.loaders import SplitLoaders, StreamedSource, make_loader
+from datamodules.loaders import SplitLoaders, StreamedSource, check_repeated_augmentation, make_loader
 from datamodules.segmentation_cvnets import CvnetsTrainTransform
 from datamodules.segmentation_transforms import IGNORE_INDEX, train_transform
 # the layouts' readers, shared with datamodules.coco_voc, and importable from here
@@ -191,6 +191,9 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         streaming_root: a folder or object-store URL written by ``python -m datamodules.optimize --task
             segment`` (with the same ``dataset``); the splits are then streamed with LitData and ``root``
             is not read (:mod:`datamodules.streaming`). ``path`` is then relative to the dataset's root.
+        repeated_augmentation: repeated augmentation (DeiT's ``RASampler``, timm's ``--aug-repeats``): each
+            training image this many times an epoch, each copy under its own augmentation, the epoch still
+            about the dataset's size (:class:`datamodules.loaders.RepeatedAugmentationSampler`); 1: off.
 
     Batches: see the module docstring.
 
@@ -220,8 +223,9 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
                  mean: tuple[float, float, float] | None = None, std: tuple[float, float, float] | None = None, batch_size: int = 16, num_workers: NumWorkers = AUTO,
                  pin_memory: bool = True, persistent_workers: bool = True,
                  on_bad_image: Literal["fail", "skip"] = "fail", predict_path: str | None = None,
-                 streaming_root: str | None = None):
+                 streaming_root: str | None = None, repeated_augmentation: int = 1):
         super().__init__()
+        check_repeated_augmentation(repeated_augmentation)
         if dataset not in ("ade20k", "voc"):
             raise ValueError(f"dataset must be 'ade20k' or 'voc', got {dataset!r}")
         if aug_masks and dataset != "voc":
@@ -419,7 +423,8 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         h = self.hparams
         return make_loader(dataset, batch_size=h.batch_size if train else 1, num_workers=h.num_workers, train=train,
                            pin_memory=h.pin_memory, persistent_workers=h.persistent_workers,
-                           collate_fn=collate_skipping, trainer=self.trainer if train else None)
+                           collate_fn=collate_skipping, trainer=self.trainer if train else None,
+                           repeated_augmentation=h.repeated_augmentation)
 
 
 __all__ = [

@@ -63,6 +63,7 @@ from datamodules.detection_common import (DetectionDataModule, check_augmentatio
                                           detection_item, has_area_inside)
 from datamodules.images import OnBadImage, guarded, read_rgb
 from datamodules.input_spec import normalization
+from datamodules.loaders import check_repeated_augmentation
 from layers.machine import AUTO, NumWorkers
 
 #: Pascal VOC's 20 object classes, in the devkit's order (label i = ``VOC_DETECTION_CLASSES[i]``)
@@ -427,7 +428,8 @@ class VocDetectionDataModule(DetectionDataModule):
         predict_path: an image or a folder of images (hidden files ignored) for ``predict``; ``None`` =
             the test split's images. When given, ``predict`` does not read ``root`` at all.
         image_size, augmentation, zoom_out_max, iou_crop, hflip, weights, mean, std, batch_size, eval_batch_size, num_workers,
-            pin_memory, persistent_workers, on_bad_image: as :class:`datamodules.coco.CocoDataModule`.
+            pin_memory, persistent_workers, on_bad_image, repeated_augmentation: as
+            :class:`datamodules.coco.CocoDataModule`.
         class_names: label i's class name; ``None`` = ``root/class_names.txt`` if present (one name a
             line, a leading ``background`` skipped), else VOC's 20 classes.
         use_difficult_in_training: train on ``difficult`` objects too (VOC practice, and the default,
@@ -454,9 +456,10 @@ class VocDetectionDataModule(DetectionDataModule):
                  batch_size: int = 32, eval_batch_size: int | None = None, num_workers: NumWorkers = AUTO,
                  pin_memory: bool = True, persistent_workers: bool = True, on_bad_image: OnBadImage = "fail",
                  class_names: list[str] | None = None, use_difficult_in_training: bool = False,
-                 streaming_root: str | None = None):
+                 streaming_root: str | None = None, repeated_augmentation: int = 1):
         super().__init__()
         check_on_bad_image(on_bad_image)
+        check_repeated_augmentation(repeated_augmentation)
         check_augmentation(augmentation, zoom_out_max)
         if class_names is not None:
             check_class_names(class_names, "data.class_names")
