@@ -197,3 +197,25 @@ def test_classification_fit_with_three_repeats(tmp_path):
     last = torch.load(tmp_path / "runs" / "classify" / "checkpoints" / "last.ckpt", weights_only=True)
     assert last["global_step"] == 1024 // 128
     assert last["datamodule_hyper_parameters"]["repeated_augmentation"] == 3
+
+
+# -- a resume keeps the order it started with ----------------------------------------------------------------------
+def _fit_settings(**data_args):
+    from types import SimpleNamespace
+
+    from tasks.cli.resume import resume_settings
+
+    config = SimpleNamespace(data={"class_path": "datamodules.imagefolder.ImageFolderDataModule", "init_args": data_args},
+                             trainer=SimpleNamespace(accumulate_grad_batches=1), model={})
+    return resume_settings(config)
+
+
+def test_a_resume_records_repeated_augmentation_only_when_it_is_on():
+    """k = 1 is the order a checkpoint written before the option existed took, so it is not recorded (such a
+    checkpoint resumes unrefused); k > 1 is, and resuming with another k is then refused as a changed order."""
+    from tasks.cli.resume import CONSEQUENCE, DATA_ORDER, category
+
+    assert "data.repeated_augmentation" not in _fit_settings(batch_size=8, repeated_augmentation=1)
+    on = _fit_settings(batch_size=8, repeated_augmentation=3)
+    assert on["data.repeated_augmentation"] == 3
+    assert category("data.repeated_augmentation") == DATA_ORDER and DATA_ORDER in CONSEQUENCE

@@ -51,11 +51,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 from tasks.engine.checkpoints import plain
 from tasks.engine.optim import schedule_arguments
 
-DATA_ORDER = ("data.seed", "data.shuffle")
+DATA_ORDER = ("data.seed", "data.shuffle", "data.repeated_augmentation")
 GLOBAL_BATCH = ("data.batch_size", "data.max_tokens", "trainer.accumulate_grad_batches", "world_size")
 OPTIMIZATION = ("model.optimizer", "model.scheduler")
 #: the data arguments recorded (whichever the datamodule has)
-DATA_KEYS = ("seed", "shuffle", "batch_size", "max_tokens")
+DATA_KEYS = ("seed", "shuffle", "batch_size", "max_tokens", "repeated_augmentation")
+#: data arguments recorded only away from their default (a run without them, or a checkpoint written before
+#: they existed, took the default's order)
+RECORDED_WHEN_SET = {"repeated_augmentation": 1}
 
 CONSEQUENCE = {
     DATA_ORDER: "the rest of the epoch follows the new order: some of its samples are seen twice, others never",
@@ -72,7 +75,8 @@ def resume_settings(config) -> dict[str, Any]:
     by dotted key; ``world_size`` is added at run time by :class:`ResumeGuard`."""
     data = config.data
     data_args = data.get("init_args", data) if hasattr(data, "get") else {}
-    settings = {f"data.{key}": plain(data_args.get(key)) for key in DATA_KEYS if key in data_args}
+    settings = {f"data.{key}": plain(data_args.get(key)) for key in DATA_KEYS
+                if key in data_args and data_args.get(key) != RECORDED_WHEN_SET.get(key, object())}
     settings["trainer.accumulate_grad_batches"] = config.trainer.accumulate_grad_batches
     for key in ("optimizer", "scheduler"):
         settings[f"model.{key}"] = plain(config.model.get(key))
