@@ -4,7 +4,7 @@ On a terminal the CLI shows Lightning's Rich progress bar. When standard output 
 pipe (a SLURM log, ``> log``, CI) a redrawn bar leaves one frame per run; :class:`LineProgress`
 prints plain lines instead::
 
-    fit epoch 3/15 step 420/1500 (batch 20/100) loss 1.2345 | 7.9 it/s | epoch ETA 0:00:10 | total ETA 0:02:16
+    fit epoch 3/15 step 420/1500 (batch 20/100) loss 1.2345 | 7.9 it/s | 253 img/s, data wait 3.0 % | epoch ETA 0:00:10 | total ETA 0:02:16
     validate: 30/30 batches, 2.1 s | val/top1 0.9123 | val/loss 0.3312
 """
 from __future__ import annotations
@@ -26,8 +26,9 @@ def _eta(seconds: float) -> str:
 
 class LineProgress(ProgressBar):
     """Plain progress lines: one after the first training step, then one every ``every_n_steps``
-    steps or ``every_seconds`` seconds, whichever comes first, with the loss, the rate and the ETA; one line per evaluation run with
-    its scores. Written to standard output on rank 0."""
+    steps or ``every_seconds`` seconds, whichever comes first, with the loss, the rate, the throughput
+    (:mod:`tasks.cli.throughput`) and the ETA; one line per evaluation run with its scores. Written to
+    standard output on rank 0."""
 
     def __init__(self, every_n_steps: int = 50, every_seconds: float = 30.0):
         super().__init__()
@@ -75,6 +76,10 @@ class LineProgress(ProgressBar):
         if loss is not None:
             parts.append(f"loss {float(loss):.4f}")
         line = " ".join(parts) + f" | {rate:.2f} it/s"
+        for callback in trainer.callbacks:  # tasks.cli.throughput.Throughput: "812 img/s, data wait 3.0 %"
+            text = callback.progress_text() if hasattr(callback, "progress_text") else ""
+            if text:
+                line += f" | {text}"
         if rate > 0 and batches != float("inf"):
             line += f" | epoch ETA {_eta((batches - batch_idx - 1) / rate)}"
         if rate > 0 and max_steps:

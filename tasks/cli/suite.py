@@ -69,6 +69,7 @@ from tasks.cli.preemption import Preemption, resume_command
 from tasks.cli.progress import LineProgress, stdout_is_terminal
 from tasks.cli.resume import ResumeGuard, RunLock, parse_allowed, resume_settings
 from tasks.cli.runtime import ThreadsFollowLoad, reuse_freed_memory
+from tasks.cli.throughput import Throughput
 from tasks.engine.checkpoints import check_checkpoint_file, plain
 
 if TYPE_CHECKING:
@@ -170,6 +171,10 @@ class SuiteCLI(LightningCLI):
             "--allow_changed", type=Optional[str], default=None,
             help="fit --ckpt_path: comma-separated settings (e.g. data.batch_size,model.optimizer) that may differ "
                  "from the checkpoint's; without it such a resume is refused (see tasks/cli/resume.py)")
+        parser.add_argument(
+            "--throughput", type=bool, default=True,
+            help="fit: report samples/s, the loader's share of the step time and MFU (tasks/cli/throughput.py); "
+                 "false leaves the callback out")
         parser.add_lightning_class_args(Preemption, "preemption")
         # ModelCheckpoint's arguments: the best checkpoints on the task's metric, and with save_last
         # (on by default) last.ckpt on its own schedule (tasks.cli.last_checkpoint.LatestCheckpoint); both
@@ -246,6 +251,8 @@ class SuiteCLI(LightningCLI):
         callbacks = [*_as_list(trainer.get("callbacks")), *self._checkpoints(config["checkpoint"]), ThreadsFollowLoad()]
         if getattr(self, "resume_guard", None) is not None:
             callbacks.append(self.resume_guard)
+        if self.subcommand in (None, "fit") and config.get("throughput", True):
+            callbacks.append(Throughput())  # a flag, not a listed callback: a recipe's own list keeps it
         # `--trainer.enable_checkpointing false`, `--trainer.enable_progress_bar false` and
         # `--trainer.logger false` switch our default callbacks off instead of letting Lightning
         # refuse the combination
