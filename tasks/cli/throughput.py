@@ -32,8 +32,10 @@ over the steps since the last report; the progress bar (Rich, or the plain lines
 
 The values go to the loggers directly (``logger.log_metrics`` on rank 0), not through
 ``LightningModule.log``, which turns a Python float into a tensor on the module's device: a blocking
-host-to-device copy on a GPU. For the progress bar they are written as text into
-``trainer.progress_bar_metrics``, the dict both progress bars read.
+host-to-device copy on a GPU. The plain-line progress (:class:`tasks.cli.progress.LineProgress`, used whenever
+the output is not a terminal, as in a cluster job's log) appends them to its lines; Rich's bar on a terminal
+shows the loggers' values only through the loggers (Lightning offers no public way to add a value to its bar
+that is not logged through ``LightningModule.log``).
 
 Why not Lightning's ``ThroughputMonitor``: it calls ``torch.cuda.synchronize()`` after every training batch
 (to time the device exactly), which is the host-device sync this suite keeps out of a training step; it
@@ -45,7 +47,6 @@ not list still fall back to it.
 """
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from typing import Any, Callable
@@ -266,10 +267,6 @@ class Throughput(Callback):
         step = max(trainer.global_step - 1, 0)
         for logger in trainer.loggers:
             logger.log_metrics(values, step=step)
-        try:  # the dict both progress bars read (Rich shows it beside the loss; LineProgress, progress_text)
-            trainer.progress_bar_metrics.update(self.progress_items())
-        except (AttributeError, TypeError):
-            pass
 
     def progress_items(self) -> dict[str, str]:
         if not self.last:
