@@ -24,7 +24,13 @@ MLP-Mixer) have no numbered stages: asking them for one is an error naming them.
 that are multiples of it, or (``None``) only the size it was built for.
 
 ``repeated_blocks`` names the block classes the network repeats (MobileViT's and ViT's
-transformer layers, ConvMixer's and MLP-Mixer's blocks), the units of regional compilation.
+transformer layers, ConvMixer's and MLP-Mixer's blocks), the units of regional compilation
+and of activation checkpointing.
+
+``layer_order(name)`` places a parameter for layer-wise learning-rate decay, as timm's
+``group_matcher``: an ordinal tuple, shallow first (the stem, each block in order, a final norm
+with the last block), equal tuples sharing a layer; ``None`` puts it at the top with the head (a feature
+pyramid built on a plain backbone). ``tasks.engine.optim.layer_ids`` ranks them.
 """
 from __future__ import annotations
 
@@ -72,6 +78,10 @@ class Backbone(nn.Module):
 
     def forward(self, x: torch.Tensor) -> dict[int, torch.Tensor]:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def layer_order(self, name: str) -> tuple[int, ...] | None:  # pragma: no cover - abstract
+        """Where parameter ``name`` (of this backbone) sits for layer-wise lr decay (see the module docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how its parameters map to layers")
 
     @property
     def stage_channels(self) -> dict[int, int]:

@@ -62,6 +62,7 @@ class ConvMixer(SingleScaleBackbone):
     """
 
     repeated_blocks = (ConvMixerBlock,)  # the units of --model.compile regional
+    stem_parameters = ("patch_embed.", "stem_norm.")  # layer 0 of layer-wise lr decay (timm's `stem`)
 
     @property
     def size_multiple(self) -> int:

@@ -5,6 +5,7 @@ key mappings of timm and apple/ml-cvnets checkpoints, which name both versions a
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -169,6 +170,17 @@ class StagedBackbone(Backbone):
 
     def forward(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
         return self.forward_stages(x)[0]
+
+    def layer_order(self, name: str) -> tuple[int, ...] | None:
+        """Layer-wise decay layers as timm's byobnet ``group_matcher``: the stem, then every block of
+        every stage in order (``stages.i.j``: an MV2 block, a MobileViT block); v1's ``final_conv`` shares
+        the last block's layer (timm's ``MATCH_PREV_GROUP``)."""
+        if name.startswith("stem."):
+            return (0,)
+        match = re.match(r"stages\.(\d+)\.(\d+)\.", name)
+        if match:
+            return (1, int(match.group(1)), int(match.group(2)))
+        return (1, len(self.stages) - 1, len(self.stages[-1]) - 1)  # final_conv (v1)
 
     def forward_stages(
         self, x: torch.Tensor, stages: Sequence[int] = ()

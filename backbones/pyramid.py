@@ -153,6 +153,21 @@ class SingleScaleBackbone(Backbone):
         """(B, in_chans, H, W) -> (B, C, H / stride, W / stride), the trunk's single feature map."""
         raise NotImplementedError
 
+    def layer_order(self, name: str) -> tuple[int, ...] | None:
+        """Layer-wise decay layers as timm's ``group_matcher`` of ViT and the mixers: the stem
+        (:attr:`stem_parameters`), each of ``blocks`` in order, the final norm with the last block
+        (timm's ``MATCH_PREV_GROUP``); the pyramid, new on top of the trunk, sits with the head (``None``)."""
+        if name.startswith("pyramid."):
+            return None
+        if name.startswith(self.stem_parameters):
+            return (0,)
+        if name.startswith("blocks."):
+            return (1, int(name.split(".")[1]))
+        return (1, len(self.blocks) - 1)  # the final norm
+
+    #: name prefixes of the parameters before the first block
+    stem_parameters: tuple[str, ...] = ("patch_embed.",)
+
     def forward(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
         fmap = self.forward_map(x)
         if self.pyramid is None:

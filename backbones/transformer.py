@@ -93,6 +93,15 @@ class TransformerEncoder(nn.Module):
         self.norm = nn.LayerNorm(dim) if pre_norm else nn.Identity()
         init_transformer_weights(self.layers)
 
+    def layer_order(self, name: str) -> tuple[int, ...]:
+        """Layer-wise lr decay layers: the embeddings, each encoder layer in order, the final norm (pre-norm)
+        with the last layer, as timm's ViT."""
+        if name.startswith("embed."):
+            return (0,)
+        if name.startswith("layers."):
+            return (1, int(name.split(".")[1]))
+        return (1, len(self.layers) - 1)
+
     def forward(self, src: Tensor, padded: bool | None = None) -> tuple[Tensor, Tensor]:
         """src (B, S) ids, padded with ``pad_id`` after the tokens -> (memory (B, S, D), padding (B, S) bool).
 

@@ -117,6 +117,7 @@ class ViT(SingleScaleBackbone):
     """
 
     repeated_blocks = (TransformerBlock,)  # the units of --model.compile regional
+    stem_parameters = ("patch_embed.", "cls_token", "pos_embed")  # layer 0 of layer-wise lr decay, as timm
 
     fixed_size_reason = "ViT's position embeddings are built for one grid"
 

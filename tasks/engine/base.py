@@ -14,6 +14,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 
+from layers.checkpointing import checkpoint_networks
 from layers.compile import compile_mode, compile_networks, cpu_compile_notice
 from tasks.engine.checkpoints import qualified_name, rng_states, set_rng_states, without_start_weights
 from tasks.engine.data_checks import (data_identity_mismatches, refuse_checkpoint_of_other_data, refuse_other_data,
@@ -21,7 +22,7 @@ from tasks.engine.data_checks import (data_identity_mismatches, refuse_checkpoin
 from tasks.engine.compile_report import CompileReport
 from tasks.engine.cost import model_cost, move_to
 from tasks.engine.nonfinite import NonFiniteGuard
-from tasks.engine.optim import param_groups
+from tasks.engine.optim import build_optimizer
 from tasks.outputs.common import MetricsJson, PredictWriter, TestTables, gather, predict_dir
 
 
@@ -64,6 +65,13 @@ class TaskModule(LightningModule):
             ``total_steps`` attribute left at ``None`` is filled from the trainer.
         no_weight_decay_on_norm_bias: exempt norm weights, biases and 1-d params from decay.
         channels_last: keep weights and images in NHWC (faster convs on GPU with AMP).
+        layer_decay: layer-wise learning-rate decay (BEiT; timm's ``--layer-decay``), e.g. 0.65 to
+            fine-tune: the head's groups train at the optimizer's rate and each layer below at
+            ``layer_decay`` times the rate of the one above (:func:`tasks.engine.optim.layer_ids`:
+            backbone stem, blocks, final norm, then heads; for translation the encoder's layers, then
+            the decoder's, then its embeddings at the top); ``None``: one rate.
+        activation_checkpointing: recompute each repeated block's activations in the backward pass
+            instead of keeping them (:mod:`layers.checkpointing`): less memory, about one more forward.
         compile: ``torch.compile`` in place, state-dict keys unchanged (:mod:`layers.compile`):
             ``"regional"`` compiles each block the networks repeat (transformer layers, mixer
             blocks) and runs the rest eagerly; ``true`` or ``"network"`` compiles each sub-network
@@ -82,7 +90,8 @@ class TaskModule(LightningModule):
     def __init__(self, optimizer: OptimizerCallable = torch.optim.AdamW,
                  scheduler: LRSchedulerCallable | None = None, no_weight_decay_on_norm_bias: bool = True,
                  channels_last: bool = False, compile: bool | Literal["network", "regional"] = False,
-                 on_nonfinite_loss: Literal["raise", "skip"] = "raise", num_worst_examples: int = 16):
+                 on_nonfinite_loss: Literal["raise", "skip"] = "raise", num_worst_examples: int = 16,
+                 layer_decay: float | None = None, activation_checkpointing: bool = False):
         super().__init__()
         # Lightning collects the arguments of the whole constructor chain (under LightningCLI: the resolved
         # config, class paths and their arguments, which load_from_checkpoint rebuilds). Built in Python,
@@ -97,6 +106,8 @@ class TaskModule(LightningModule):
         self.scheduler = SharedFactory(scheduler) if scheduler is not None else None
         self.no_weight_decay_on_norm_bias = no_weight_decay_on_norm_bias
         self.channels_last = channels_last
+        self.layer_decay = layer_decay
+        self.activation_checkpointing = activation_checkpointing
         self.compile_mode = compile_mode(compile)
         self.nonfinite_guard = NonFiniteGuard(on_nonfinite_loss)
         # sample-weighted means of the evaluation loss, synced exactly over ranks by torchmetrics
@@ -125,8 +136,11 @@ class TaskModule(LightningModule):
     def configure_model(self) -> None:
         if self.channels_last:
             self.to(memory_format=torch.channels_last)
+        networks = [child for child in self.children() if any(True for _ in child.parameters())]
+        if self.activation_checkpointing and not getattr(self, "_checkpointed", False):
+            rank_zero_info(checkpoint_networks(networks))  # before compile, which compiles the wrapped blocks
+            self._checkpointed = True
         if self.compile_mode and not getattr(self, "_compiled", False):
-            networks = [child for child in self.children() if any(True for _ in child.parameters())]
             rank_zero_info(compile_networks(networks, self.compile_mode))
             if self.training_device().type == "cpu":
                 rank_zero_warn(cpu_compile_notice(self.compile_mode))
@@ -156,11 +170,8 @@ class TaskModule(LightningModule):
         return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = self.optimizer(param_groups(self, self.no_weight_decay_on_norm_bias))
-        if self.scheduler is None:
-            return {"optimizer": optimizer}
-        scheduler = self.scheduler(optimizer)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return build_optimizer(self, self.optimizer, self.scheduler, self.no_weight_decay_on_norm_bias,
+                               self.layer_decay)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Lightning's mixed-precision plugin refuses to clip for a fused optimizer (the demo recipes'
