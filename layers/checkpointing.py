@@ -29,14 +29,14 @@ from collections import Counter
 
 import torch
 import torch.nn as nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
+from layers.compat import is_batchnorm
 from layers.compile import repeated_blocks
 
 
 @contextlib.contextmanager
-def _running_statistics_kept(norms: list[_BatchNorm]):
+def _running_statistics_kept(norms: list[nn.Module]):
     """Run the body, then put the norms' running statistics back as they were before it."""
     saved = [[buffer.clone() for buffer in norm.buffers(recurse=False)] for norm in norms]
     try:
@@ -55,7 +55,7 @@ class CheckpointedForward:
 
     def __init__(self, block: nn.Module):
         self.block = block
-        self.norms = [m for m in block.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+        self.norms = [m for m in block.modules() if is_batchnorm(m) and m.track_running_stats]
 
     def _context(self):
         return contextlib.nullcontext(), _running_statistics_kept(self.norms)
