@@ -69,6 +69,7 @@ from tasks.cli.preemption import Preemption, resume_command
 from tasks.cli.progress import LineProgress, stdout_is_terminal
 from tasks.cli.resume import ResumeGuard, RunLock, parse_allowed, resume_settings
 from tasks.cli.runtime import ThreadsFollowLoad, reuse_freed_memory
+from tasks.cli.sharding import check_sharding, sharded_strategy
 from tasks.cli.throughput import Throughput
 from tasks.engine.checkpoints import check_checkpoint_file, plain
 
@@ -194,6 +195,7 @@ class SuiteCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         trainer = config.trainer
         check_deterministic(self.subcommand, trainer, config.get("model"), self.declaration)
+        check_sharding(self.subcommand, config)  # --trainer.strategy fsdp: what cannot run is refused here
         if self.checkpoint_path is not None:
             config.ckpt_path = self.checkpoint_path  # kept out of parsing: see __init__
         # one checkpoint directory per run root, so `--ckpt_path last` finds the interrupted run
@@ -267,6 +269,8 @@ class SuiteCLI(LightningCLI):
         plugins = _as_list(trainer.get("plugins"))
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins.append(AtomicCheckpointIO())
+        # `fsdp` is the suite's FSDP2 strategy (tasks/cli/sharding.py), not Lightning's FSDP1
+        kwargs.setdefault("strategy", sharded_strategy(trainer.get("strategy", "auto")))
         # Lightning adds the `preemption` callback and the config-saving one to these
         trainer = super().instantiate_trainer(callbacks=callbacks, plugins=plugins, **kwargs)
         self.apply_cpu_plan(trainer)

@@ -78,7 +78,12 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 def qualified_name(cls: type) -> str:
-    """``tasks.detect.DetectionTask``, also when the module runs as ``python -m tasks.detect``."""
+    """``tasks.detect.DetectionTask``, also when the module runs as ``python -m tasks.detect`` and when FSDP2
+    has sharded the task (``fully_shard`` gives the instance a subclass, ``FSDPDetectionTask``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if issubclass(cls, FSDPModule):
+        cls = next(base for base in cls.__mro__ if not issubclass(base, FSDPModule))
     module = cls.__module__
     if module == "__main__":
         spec = getattr(sys.modules["__main__"], "__spec__", None)
