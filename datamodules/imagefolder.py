@@ -40,6 +40,8 @@ from datamodules.images import (
 from datamodules.classification_transforms import MixCollate, train_transform
 from datamodules.input_spec import InputSpec, classification_spec, normalization
 from datamodules.loaders import SplitLoaders, StreamedSource, check_repeated_augmentation, make_loader
+from datamodules.resolution import ProgressiveResizing, VariableResolution, check_schedules, resolution_loader, \
+    resolution_plan
 from datamodules.prepared import StringTable, folder_signature, prepare
 from layers.machine import AUTO, NumWorkers
 
@@ -214,12 +216,16 @@ class ImageFolderDataset(Dataset):
         return (self.prefix / self.samples.paths[index]).as_posix()
 
     def __getitem__(self, index: int) -> dict | None:
+        return self.item(index, self.transform)
+
+    def item(self, index: int, transform) -> dict | None:
+        """Item ``index`` with its image through ``transform`` (a resolution schedule's crop size:
+        :mod:`datamodules.resolution`)."""
         path, target = self.samples.path(index), int(self.samples.labels[index])
         image = guarded(lambda: read_rgb(path), path, self.on_bad_image)
         if image is None:
             return None
-        return labelled_item(image, {"index": index, "target": target, "path": self.relative_path(index)},
-                             self.transform)
+        return labelled_item(image, {"index": index, "target": target, "path": self.relative_path(index)}, transform)
 
     def stored_sample(self, index: int) -> dict:
         """What ``python -m datamodules.optimize`` stores for sample ``index``: the file's bytes as they are."""
@@ -299,6 +305,12 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         repeated_augmentation: repeated augmentation (DeiT's ``RASampler``, timm's ``--aug-repeats``): each
             training image this many times an epoch, each copy under its own augmentation, the epoch still
             about the dataset's size (:class:`datamodules.loaders.RepeatedAugmentationSampler`); 1: off.
+        variable_resolution: each training batch cropped at its own size with the batch size that keeps pixels
+            per batch near ``image_size`` x ``image_size`` x ``batch_size`` (CVNets' variable-batch sampler,
+            :class:`datamodules.resolution.VariableResolution`); evaluation stays at ``image_size``.
+        progressive_resizing: training crops growing from a fraction of ``image_size`` to all of it over training
+            (Composer's schedule, :class:`datamodules.resolution.ProgressiveResizing`); evaluation stays at
+            ``image_size``.
 
     Batches: see the module docstring.
     """
@@ -317,11 +329,13 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
                  pin_memory: bool = True, persistent_workers: bool = True,
                  on_bad_image: Literal["fail", "skip"] = "fail", predict_path: str | None = None,
                  streaming_root: str | None = None, prepared_dir: str | None = None,
-                 repeated_augmentation: int = 1):
+                 repeated_augmentation: int = 1, variable_resolution: VariableResolution | None = None,
+                 progressive_resizing: ProgressiveResizing | None = None):
         super().__init__()
         if on_bad_image not in ("fail", "skip"):
             raise ValueError(f"on_bad_image must be 'fail' or 'skip', got {on_bad_image!r}")
         check_repeated_augmentation(repeated_augmentation)
+        check_schedules(variable_resolution, progressive_resizing, repeated_augmentation, streaming_root is not None)
         self.save_hyperparameters()
         self.hparams.mean, self.hparams.std = normalization(weights, mean, std)
         self._root = Path(root).expanduser() if root else None
@@ -364,11 +378,15 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
     def _eval_transform(self) -> v2.Compose:
         return self.input_spec.eval_transform()
 
+    def _train_transform(self, size: int | tuple[int, int]) -> v2.Compose:
+        h = self.hparams
+        return train_transform(size, tuple(h.scale), h.hflip, h.rand_augment, h.rand_augment_magnitude,
+                               h.random_erasing, h.mean, h.std, h.interpolation)
+
     def _dataset(self, split_dir: str, train: bool) -> ImageFolderDataset:
         h = self.hparams
         if train:
-            transform = train_transform(h.image_size, tuple(h.scale), h.hflip, h.rand_augment,
-                                        h.rand_augment_magnitude, h.random_erasing, h.mean, h.std, h.interpolation)
+            transform = self._train_transform(h.image_size)
         else:
             transform = self._eval_transform()
         if self.streamed is not None:
@@ -427,6 +445,11 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         if train and (h.mixup_alpha > 0 or h.cutmix_alpha > 0):
             collate = MixCollate(self.num_classes, h.mixup_alpha, h.cutmix_alpha)
         batch_size = h.batch_size if train else (h.eval_batch_size or h.batch_size)
+        plan = resolution_plan(h, self.trainer) if train else None
+        if plan is not None:
+            return resolution_loader(dataset, self._train_transform, plan, base_batch=h.batch_size, collate_fn=collate,
+                                     num_workers=h.num_workers, pin_memory=h.pin_memory,
+                                     persistent_workers=h.persistent_workers)
         return make_loader(dataset, batch_size=batch_size, num_workers=h.num_workers, train=train,
                            pin_memory=h.pin_memory, persistent_workers=h.persistent_workers, collate_fn=collate,
                            trainer=self.trainer if train else None, repeated_augmentation=h.repeated_augmentation)

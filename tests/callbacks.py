@@ -58,3 +58,18 @@ class SignalAtStep(Callback):
         if trainer.global_step == self.step and not self.sent and self.rank in (-1, trainer.global_rank):
             self.sent = True
             os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+class RecordBatchShapes(Callback):
+    """Appends ``[global step, batch shape]`` of every training batch's images to ``<folder>/rank<r>.jsonl``."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import json
+        from pathlib import Path
+
+        Path(self.folder).mkdir(parents=True, exist_ok=True)
+        with open(Path(self.folder) / f"rank{trainer.global_rank}.jsonl", "a") as out:
+            out.write(json.dumps([trainer.global_step, list(batch["image"].shape)]) + "\n")

@@ -35,6 +35,7 @@ def augmentation(source: str, size: int, eval_resize: int, strong: bool) -> dict
     off = f"{source}: not enabled"
     return {
         "image_size": (size, f"{source} sampler.bs.crop_size_width"),
+        "variable_resolution": (None, f"{source} sampler.name: batch_sampler (one crop size)"),
         "eval_resize": (eval_resize, f"{source} image_augmentation.resize.size"),
         "interpolation": ("bicubic", f"{source} image_augmentation.random_resized_crop.interpolation"),
         "hflip": (0.5, f"{source} image_augmentation.random_horizontal_flip"),
@@ -143,8 +144,7 @@ V1_README = f"CVNets examples/README-mobilevit.md ({V1_GIT})"
 V1_DATA = f"CVNets data/datasets/classification/imagenet.py ({V1_GIT})"
 V1_TRANSFORMS = f"CVNets data/transforms/image.py ({V1_GIT})"
 V1_CURRENT = "CVNets config/classification/imagenet/mobilevit.yaml (current tree, MobileViT-S)"
-#: CVNets' variable-batch sampler (sampler.name: variable_batch_sampler), cited so the gap stays explicit: the
-#: suite trains at the base crop with the base batch until its variable-batch sampler lands
+#: CVNets' variable-batch sampler (sampler.name: variable_batch_sampler, sampler.vbs.*)
 V1_VBS = {"crop_size_width": 256, "crop_size_height": 256, "min_crop_size_width": 160, "max_crop_size_width": 320,
           "min_crop_size_height": 160, "max_crop_size_height": 320, "max_n_scales": 5, "check_scale": 32}
 
@@ -181,7 +181,12 @@ def v1_reference(size: str) -> dict:
         "sync_batchnorm": (False, f"{source} model.normalization.name: batch_norm_2d"),
         "ema_decay": (1 - 0.0005, f"{source} ema.momentum: 0.0005"),
         "image_size": (V1_VBS["crop_size_width"], f"{source} sampler.vbs.crop_size_width/height: the base crop "
-                                                  "(the other scales: V1_KNOWN_DIFFERENCES)"),
+                                                  "(and the evaluation crop)"),
+        "variable_resolution": ({"min_size": V1_VBS["min_crop_size_width"], "max_size": V1_VBS["max_crop_size_width"],
+                                 "scales": V1_VBS["max_n_scales"], "multiple": V1_VBS["check_scale"],
+                                 "rule": "cvnets_v0.1"},
+                                f"{source} sampler.vbs.min/max_crop_size_width/height, max_n_scales, check_scale; "
+                                f"CVNets data/sampler/utils.py _image_batch_pairs ({V1_GIT})"),
         "eval_resize": (288, f"{V1_DATA} validation_transforms: crop size + 32 ({V1_CURRENT} "
                              "image_augmentation.resize.size: 288)"),
         "interpolation": ("bilinear", f"{source} image_augmentation.random_resized_crop.interpolation "
@@ -200,12 +205,10 @@ def v1_reference(size: str) -> dict:
 #: What the MobileViT v1 recipes do otherwise than CVNets v0.1, on purpose: what -> (CVNets, the recipe, why).
 #: None of these is compared in v1_reference; each recipe's header states them too.
 V1_KNOWN_DIFFERENCES = {
-    "sampler": ("sampler.name: variable_batch_sampler; sampler.vbs (V1_VBS): base crop 256x256, min/max crop "
-                "160/320, max_n_scales 5, check_scale 32, so crops of 160, 192, 256, 288 and 320 px, the batch per "
-                "GPU scaled by 256^2/crop^2 and at least the base 128 (data/sampler/utils.py _image_batch_pairs)",
-                "fixed 256x256 crops, 128 per GPU",
-                "the suite has no variable-batch sampler yet; the recipes train at its base resolution and batch "
-                "until it lands"),
+    "sampler_order": ("each batch's (crop, batch size) drawn independently (random.choice)",
+                      "each run of five batches takes each (crop, batch size) once, in a random order",
+                      "the same share per size, and every epoch the same number of steps, which Lightning and the "
+                      "schedules count ahead (datamodules/resolution.py)"),
     "cosine_steps": ("scheduler.is_iteration_based: false (cosine evaluated once per epoch after warm-up)",
                      "cosine evaluated every optimizer step", "the same curve without the stair steps"),
     "ffn_dropout": ("model.classification.mit.ffn_dropout: 0.0 (hidden units of the FFN), mit.dropout after the "
@@ -243,6 +246,7 @@ def facts(config: dict) -> dict:
         **{key: value(config, f"model.backbone.{key}", None) for key in ("size", "dropout", "attn_dropout", "num_heads")},
         "head_dropout": value(config, "model.head_dropout"),
         "label_smoothing": value(config, "model.label_smoothing"),
+        "variable_resolution": value(config, "data.variable_resolution", None),
         **{key: value(config, f"data.{key}") for key in (
             "image_size", "eval_resize", "interpolation", "scale", "hflip", "rand_augment", "random_erasing",
             "mixup_alpha", "cutmix_alpha")},
@@ -267,13 +271,18 @@ def test_recipe_value_equals_its_reference(recipe, fact):
 
 
 @pytest.mark.parametrize("size", sorted(V1_MODES))
-def test_v1_recipe_header_states_the_sampler_it_lacks(size):
-    """Until the suite has CVNets' variable-batch sampler, each v1 recipe says it trains at the fixed base
-    resolution and cites the sampler's crop range, so the gap stays visible where the recipe is read."""
-    header = "\n".join(line for line in (REPO / "configs/classify" / f"imagenet_mobilevit_{size}.yaml").read_text()
-                       .splitlines() if line.startswith("#"))
-    assert "variable-batch sampler" in header and "fixed 256x256 crops" in header
-    assert "160" in header and "320" in header, "the header cites sampler.vbs' crop range"
+def test_v1_recipe_trains_cvnets_variable_batch_table(size):
+    """The v1 recipe's resolution table on its 8 GPUs is the one CVNets v0.1's rule gives for sampler.vbs (the
+    rule itself is checked in tests/test_variable_resolution.py)."""
+    from datamodules.resolution import VariableResolution, resolution_table
+    from tests.test_variable_resolution import cvnets_table
+
+    config = resolve("classify", f"imagenet_mobilevit_{size}.yaml")
+    schedule = VariableResolution(**value(config, "data.variable_resolution"))
+    devices = config["trainer"]["devices"]
+    assert resolution_table(value(config, "data.image_size"), value(config, "data.batch_size"), schedule, devices) == \
+        cvnets_table(V1_VBS["crop_size_width"], 128, 8, V1_VBS["max_n_scales"], V1_VBS["check_scale"],
+                     V1_VBS["min_crop_size_width"], V1_VBS["max_crop_size_width"], v01=True)
 
 
 @pytest.mark.slow

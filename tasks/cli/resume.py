@@ -51,14 +51,16 @@ from lightning.pytorch.utilities import rank_zero_warn
 from tasks.engine.checkpoints import plain
 from tasks.engine.optim import schedule_arguments
 
-DATA_ORDER = ("data.seed", "data.shuffle", "data.repeated_augmentation")
+DATA_ORDER = ("data.seed", "data.shuffle", "data.repeated_augmentation", "data.variable_resolution",
+              "data.progressive_resizing")
 GLOBAL_BATCH = ("data.batch_size", "data.max_tokens", "trainer.accumulate_grad_batches", "world_size")
 OPTIMIZATION = ("model.optimizer", "model.scheduler")
 #: the data arguments recorded (whichever the datamodule has)
-DATA_KEYS = ("seed", "shuffle", "batch_size", "max_tokens", "repeated_augmentation")
+DATA_KEYS = ("seed", "shuffle", "batch_size", "max_tokens", "repeated_augmentation", "variable_resolution",
+             "progressive_resizing")
 #: data arguments recorded only away from their default (a run without them, or a checkpoint written before
 #: they existed, took the default's order)
-RECORDED_WHEN_SET = {"repeated_augmentation": 1}
+RECORDED_WHEN_SET = {"repeated_augmentation": 1, "variable_resolution": None, "progressive_resizing": None}
 
 CONSEQUENCE = {
     DATA_ORDER: "the rest of the epoch follows the new order: some of its samples are seen twice, others never",
