@@ -48,6 +48,11 @@ FSDP1_NAMES = ("fsdp_cpu_offload", "lightning.pytorch.strategies.FSDPStrategy", 
 class FullyShardedStrategy(ModelParallelStrategy):
     """FSDP2 over all ranks (data parallelism only), sharded by the suite's plan (see the module).
 
+    Training gathers each unit's weights only while it computes. Evaluation (validate, test, predict) gathers
+    every unit once and keeps them until the next training step, as DDP would hold them: a decoding loop
+    (translation's beam search) calls the decoder a different number of times on each rank, and per-call
+    gathers would then pair up collectives of different calls.
+
     Args:
         reshard_after_forward: free each block's gathered weights after its forward and gather them
             again for its backward (ZeRO-3: least memory); ``False`` keeps them until the backward
@@ -63,6 +68,7 @@ class FullyShardedStrategy(ModelParallelStrategy):
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.reshard_after_forward = reshard_after_forward
+        self._gathered = False
 
     def setup_environment(self) -> None:
         # every rank of every node is one data-parallel shard (ModelParallelStrategy's "auto" would make
@@ -73,58 +79,87 @@ class FullyShardedStrategy(ModelParallelStrategy):
     def setup(self, trainer) -> None:
         # the task's configure_model has run (Lightning calls it before the strategy's setup)
         shard_task(self.lightning_module, self.device_mesh["data_parallel"], self.reshard_after_forward)
+        self._gathered = False
         super().setup(trainer)
 
-    # Checkpoints: one full file, its optimizer state numbered as an unsharded run numbers it (by place in the
-    # parameter groups), so a run resumes under fsdp, ddp or one process alike. (Lightning's own numbering
-    # follows named_parameters(), which differs once weight decay splits the groups, and its loader copies
-    # each submodule's tensors into sharded parameters one module at a time, which torch 2.14 refuses.)
-    # Saving and loading see the parameters sharded: an evaluation or the model summary's forward leaves the
-    # root's gathered (see validation_step), which torch's state-dict functions cannot load into.
+    # -- gathered for evaluation, sharded for training and checkpoints ---------------------------------------
+    def units(self) -> list[nn.Module]:
+        """The FSDP units, root first: the same order on every rank, so their collectives pair up."""
+        from torch.distributed.fsdp import FSDPModule
+
+        return [m for m in self.lightning_module.modules() if isinstance(m, FSDPModule)]
+
+    def gather_all(self) -> None:
+        """Gather every unit's weights and keep them gathered through forwards (evaluation)."""
+        if not self._gathered:
+            for unit in self.units():
+                unit.set_reshard_after_forward(False, recurse=False)
+                unit.unshard()
+            self._gathered = True
+
+    def shard_all(self) -> None:
+        """Every unit back to its shard and to training's resharding (the root keeps its weights from the
+        forward to the backward, FSDP2's default for a root). Also after a forward without a backward (the
+        model summary's), which leaves the root gathered: torch's state-dict functions need the shards."""
+        units = self.units()
+        for unit in units:
+            if self._gathered:
+                unit.set_reshard_after_forward(self.reshard_after_forward and unit is not units[0], recurse=False)
+            unit.reshard()
+        self._gathered = False
+
+    def training_step(self, *args, **kwargs):
+        if self._gathered:
+            self.shard_all()
+        return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args, **kwargs):
+        self.gather_all()
+        return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args, **kwargs):
+        self.gather_all()
+        return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args, **kwargs):
+        self.gather_all()
+        return super().predict_step(*args, **kwargs)
+
+    # -- checkpoints: one full file ----------------------------------------------------------------------
+    # Its optimizer state is numbered as an unsharded run numbers it (by place in the parameter groups), so a
+    # run resumes under fsdp, ddp or one process alike. (Lightning's own numbering follows named_parameters(),
+    # which differs once weight decay splits the groups, and its loader copies each submodule's tensors into
+    # sharded parameters one module at a time, which torch 2.14 refuses; torch's set_model_state_dict shards the
+    # tensors of named_parameters() only, which name a shared parameter once: translation's tied table is refused.)
     def lightning_module_state_dict(self) -> dict:
-        self.lightning_module.reshard()
+        self.shard_all()
         return super().lightning_module_state_dict()
 
     def optimizer_state(self, optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        self.lightning_module.reshard()
+        self.shard_all()
         optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer's
         full = get_optimizer_state_dict(self.model, optimizer,
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return numbered_by_place(full) if full else full  # gathered on rank 0 only
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         path = Path(self.broadcast(checkpoint_path))
         if path.is_dir():  # a sharded checkpoint of Lightning's ModelParallelStrategy
             return super().load_checkpoint(path, weights_only=weights_only)
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-        self.lightning_module.reshard()
-        options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
-        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
+        self.shard_all()
+        self.model.load_state_dict(sharded_like(checkpoint.pop("state_dict"), self.model.state_dict()),
+                                   strict=self.lightning_module.strict_loading)
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
             for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
                 set_optimizer_state_dict(self.model, optimizer, named_by_place(state, optimizer, self.model),
                                          options=options)
         return checkpoint
-
-    # A step that calls a network directly, not through the task's forward (translation's beam search calls
-    # the encoder and decoder), would meet the root's parameters sharded: evaluation gathers them first
-    # (they stay gathered until the next training step's backward frees them).
-    def validation_step(self, *args, **kwargs):
-        self.lightning_module.unshard()
-        return super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args, **kwargs):
-        self.lightning_module.unshard()
-        return super().test_step(*args, **kwargs)
-
-    def predict_step(self, *args, **kwargs):
-        self.lightning_module.unshard()
-        return super().predict_step(*args, **kwargs)
 
 
 def shard_task(module: nn.Module, mesh, reshard_after_forward: bool = True) -> list[str]:
@@ -143,10 +178,20 @@ def shard_task(module: nn.Module, mesh, reshard_after_forward: bool = True) -> l
         for block_name, block in repeated_blocks(network):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
             units.append(f"{name}.{block_name}")
-    # the root keeps its gathered weights from the forward to the backward (FSDP2's own default for a
-    # root): they are needed again at once, and evaluation calls networks outside forward (beam search)
+    # the root keeps its gathered weights from the forward to the backward (FSDP2's own default for a root):
+    # they are needed again at once
     fully_shard(module, mesh=mesh, reshard_after_forward=False)
     return [*units, ""]
+
+
+def sharded_like(full: dict[str, torch.Tensor], sharded: dict[str, Any]) -> dict[str, Any]:
+    """``full`` (a checkpoint's state dict, whole on every rank) cut as ``sharded`` (the sharded model's state
+    dict) is: each tensor that is a DTensor there becomes this rank's shard of it, with no communication. A
+    shared parameter is cut under each of its names."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    return {name: distribute_tensor(value, sharded[name].device_mesh, sharded[name].placements, src_data_rank=None)
+            if isinstance(sharded.get(name), DTensor) else value for name, value in full.items()}
 
 
 def numbered_by_place(state: dict) -> dict:
