@@ -24,6 +24,11 @@ feed-forward, LayerNorm epsilon 1e-6 as timm); its attention is built by name
 through the attention zoo (:func:`layers.attention.build_attention`), ``"mha"``
 being timm's.
 
+Distillation token (DeiT, Touvron et al. 2021, Sec. 4; timm's ``VisionTransformerDistilled``):
+``distillation_token=True`` adds a second learned token after the class token (with its own position
+embedding); :meth:`ViT.forward_prefix` returns both normed tokens for a classifier and a distillation head.
+Off by default: the parameters and state-dict keys of every other ViT are unchanged.
+
 Sizes (parameters with a 1000-class head at 224 px, patch 16, DeiT Table 1 / timm):
 tiny 192 wide, 3 heads, 5.72M; small 384 wide, 6 heads, 22.05M; base 768 wide,
 12 heads, 86.57M; large 1024 wide, 24 blocks, 16 heads, 304.3M.
@@ -111,13 +116,17 @@ class ViT(SingleScaleBackbone):
     ``forward_pooled``: (B, D), the normed class token (with ``class_token=False``:
     the normed mean of the patch tokens, timm's ``global_pool="avg"``).
 
+    ``distillation_token``: DeiT's second prefix token (see the module docstring); ``forward_pooled`` then
+    averages the two normed tokens (timm's ``pre_logits``) and :meth:`forward_prefix` gives each.
+
     ``attention`` names any variant of the attention zoo; ``attention_kwargs`` go to
     it (Linformer and the Synthesizers need ``max_len`` = number of tokens,
     ``(H/p)*(W/p) + 1``). ``depth`` overrides the size's number of blocks.
     """
 
     repeated_blocks = (TransformerBlock,)  # the units of --model.compile regional
-    stem_parameters = ("patch_embed.", "cls_token", "pos_embed")  # layer 0 of layer-wise lr decay, as timm
+    # layer 0 of layer-wise lr decay, as timm's group_matcher (deit.py adds dist_token to the stem)
+    stem_parameters = ("patch_embed.", "cls_token", "dist_token", "pos_embed")
 
     fixed_size_reason = "ViT's position embeddings are built for one grid"
 
@@ -134,6 +143,7 @@ class ViT(SingleScaleBackbone):
         attn_dropout: float = 0.0,
         drop_path_rate: float = 0.0,
         class_token: bool = True,
+        distillation_token: bool = False,
         dynamic_img_size: bool = False,
         depth: int | None = None,
         pyramid_strides: Sequence[int] | None = None,
@@ -151,10 +161,13 @@ class ViT(SingleScaleBackbone):
         self.in_chans = in_chans
         self.num_features = embed_dim
         self.dynamic_img_size = dynamic_img_size
-        self.num_prefix_tokens = 1 if class_token else 0
+        if distillation_token and not class_token:
+            raise ValueError("distillation_token=True needs class_token=True (DeiT reads both tokens)")
+        self.num_prefix_tokens = int(class_token) + int(distillation_token)
 
         self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if distillation_token else None
         num_tokens = self.num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim))
         self.pos_drop = nn.Dropout(dropout)
@@ -187,6 +200,8 @@ class ViT(SingleScaleBackbone):
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
+        if self.dist_token is not None:
+            nn.init.trunc_normal_(self.dist_token, std=0.02)  # timm's VisionTransformerDistilled.init_weights
         for module in self.blocks.modules():
             if isinstance(module, nn.Linear):
                 nn.init.trunc_normal_(module.weight, std=0.02)
@@ -217,8 +232,10 @@ class ViT(SingleScaleBackbone):
         """(B, in_chans, H, W) -> (B, prefix + N, D), the tokens out of the last block (before the final norm)."""
         grid = self._grid_of(x)
         tokens = self.patch_embed(x)
-        if self.cls_token is not None:
-            tokens = torch.cat([self.cls_token.expand(tokens.shape[0], -1, -1), tokens], dim=1)
+        prefix = [token.expand(tokens.shape[0], -1, -1) for token in (self.cls_token, self.dist_token)
+                  if token is not None]
+        if prefix:
+            tokens = torch.cat([*prefix, tokens], dim=1)
         pos_embed = self.pos_embed
         if grid != self.grid_size:
             pos_embed = resample_pos_embed(pos_embed, grid, self.grid_size, self.num_prefix_tokens)
@@ -231,13 +248,23 @@ class ViT(SingleScaleBackbone):
         return patches.transpose(1, 2).reshape(x.shape[0], self.num_features, *grid)
 
     def forward_pooled(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, in_chans, H, W) -> (B, D): the normed class token (or normed token mean without one)."""
+        """(B, in_chans, H, W) -> (B, D): the normed class token (or normed token mean without one; with a
+        distillation token, the mean of the two normed tokens, timm's ``pre_logits``)."""
+        if self.dist_token is not None:
+            return self.forward_prefix(x).mean(dim=1)
         tokens = self.forward_tokens(x)
         if self.cls_token is not None:
             # every token normed, as timm: the class token alone is a strided slice, which CUDA's layer
             # norm would copy before and after (one more kernel each way than norming the whole block)
             return self.norm(tokens)[:, 0]
         return self.norm(tokens.mean(dim=1))
+
+    def forward_prefix(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, H, W) -> (B, num_prefix_tokens, D): the normed class token and, with
+        ``distillation_token``, the normed distillation token (what DeiT's two heads read)."""
+        if not self.num_prefix_tokens:
+            raise ValueError("this ViT has no class token (class_token=False): it has no prefix tokens to return")
+        return self.norm(self.forward_tokens(x))[:, : self.num_prefix_tokens]
 
     def adapt_checkpoint(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Resample the position embeddings of a checkpoint made for another grid to this model's.
@@ -258,11 +285,13 @@ class ViT(SingleScaleBackbone):
 
 @register_converter("vit", "timm", detect=lambda sd: "patch_embed.proj.weight" in sd and "pos_embed" in sd)
 def vit_timm_to_ours(state_dict: StateDict, backbone: nn.Module | None = None) -> StateDict:
-    """timm ``vit_*`` state dict -> canonical keys (``backbone.*`` of :class:`ViT`, ``head.fc.*``).
+    """timm ``vit_*`` / ``deit_*`` state dict -> canonical keys (``backbone.*`` of :class:`ViT`, ``head.fc.*``,
+    and a distilled DeiT's ``head_dist.fc.*``).
 
     The names are timm's already; only ``fc_norm`` (the norm after average pooling
     of ``global_pool="avg"`` models) becomes ``norm``. Position embeddings for another
     grid are resampled when loading (:meth:`ViT.adapt_checkpoint`).
     """
-    rules = [(r"^fc_norm\.", "norm."), (r"^head\.", "head.fc."), (r"^(?!head\.)", "backbone.")]
+    rules = [(r"^fc_norm\.", "norm."), (r"^head\.", "head.fc."), (r"^head_dist\.", "head_dist.fc."),
+             (r"^(?!head\.|head_dist\.)", "backbone.")]
     return rename_keys(state_dict, rules)

@@ -17,12 +17,20 @@ from datamodules.input_spec import classification_spec, input_spec_of
 from heads.classifier import ClassifierHead
 from tasks.outputs.common import displayable
 from tasks.engine.base import TaskModule
+from tasks.engine.distillation import Distillation, LearnsFromTeacher, distillation_loss, mixed_loss
 from tasks.engine.predictor import Predictor
 from tasks.outputs import classification as outputs
 
 
-class ClassificationTask(Predictor, TaskModule):
-    """Backbone + :class:`ClassifierHead` trained with (label-smoothed, possibly soft-target) cross-entropy.
+class ClassificationTask(LearnsFromTeacher, Predictor, TaskModule):
+    """Backbone + :class:`ClassifierHead` trained with (label-smoothed, possibly soft-target) cross-entropy,
+    optionally distilled from a teacher (:mod:`tasks.engine.distillation`).
+
+    A backbone with DeiT's distillation token (``ViT(distillation_token=True)``) gets a second classifier,
+    ``head_dist``, on that token. With distillation it learns from the teacher and ``head`` from the label;
+    the model's output (validation, test, predict, export, and training without a teacher) is the mean
+    of the two heads' logits, as timm's ``VisionTransformerDistilled`` and DeiT's code average them (the
+    DeiT paper, Sec. 4 "joint classifiers", describes adding the two softmax outputs instead).
 
     Args:
         backbone: any image backbone (YAML ``class_path: backbones.MobileViTv2``).
@@ -35,6 +43,9 @@ class ClassificationTask(Predictor, TaskModule):
             backbone-only start use the backbone's own ``pretrained`` argument.
         num_sample_images: images logged with their predictions each validation epoch (to every logger that shows media),
             drawn from batches spread over the split.
+        distillation: the teacher and the loss (``--model.distillation.teacher X --model.distillation.kind
+            soft|hard --model.distillation.alpha A --model.distillation.temperature T``; see
+            :class:`tasks.engine.distillation.Distillation`); ``None``: none.
         Remaining arguments: see :class:`tasks.engine.base.TaskModule`.
     """
 
@@ -44,12 +55,16 @@ class ClassificationTask(Predictor, TaskModule):
 
     def __init__(self, backbone: Backbone, class_names: list[str], head_dropout: float = 0.0,
                  label_smoothing: float = 0.0, weights: str | None = None, num_sample_images: int = 16,
-                 **kwargs):
+                 distillation: Distillation | None = None, **kwargs):
         super().__init__(**kwargs)
+        self.init_distillation(distillation)
         self.backbone = backbone
         self.class_names = list(class_names)
         num_classes = len(self.class_names)
         self.head = ClassifierHead(backbone.num_features, num_classes, head_dropout)
+        # DeiT's distillation head, on the distillation token of a backbone that has one
+        self.head_dist = (ClassifierHead(backbone.num_features, num_classes, head_dropout)
+                          if getattr(backbone, "dist_token", None) is not None else None)
         if weights:
             head_state = load_pretrained(self.backbone, weights)
             self.head.fc.load_state_dict(classifier_state(head_state, num_classes) or self.head.fc.state_dict())
@@ -75,16 +90,34 @@ class ClassificationTask(Predictor, TaskModule):
         return torch.zeros(1, 3, spec.image_size, spec.image_size) if spec is not None else None
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) -> logits (B, num_classes)."""
+        """(B, 3, H, W) -> logits (B, num_classes) (with a distillation head, the mean of the two heads')."""
+        if self.head_dist is not None:
+            logits, dist_logits = self.forward_heads(images)
+            return (logits + dist_logits) / 2
         return self.head(self.backbone.forward_pooled(self.to_memory_format(images)))
+
+    def forward_heads(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, 3, H, W) -> the class head's and the distillation head's logits, (B, num_classes) each
+        (a backbone with a distillation token only)."""
+        tokens = self.backbone.forward_prefix(self.to_memory_format(images))
+        return self.head(tokens[:, 0]), self.head_dist(tokens[:, 1])
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # soft targets (MixUp/CutMix) are (B, C) probabilities; cross_entropy takes both forms
         return F.cross_entropy(logits.float(), target, label_smoothing=self.label_smoothing)
 
     def training_loss(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(self(batch["image"]), batch["target"])
-        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["image"]))
+        images, batch_size = batch["image"], len(batch["image"])
+        if self.distillation is None:
+            loss = self._loss(self(images), batch["target"])
+        else:
+            logits, dist_logits = self.forward_heads(images) if self.head_dist is not None else (self(images),) * 2
+            task_loss = self._loss(logits, batch["target"])
+            distill = distillation_loss(self.distillation, dist_logits, self.teacher_output(images))
+            loss = mixed_loss(self.distillation, task_loss, distill)
+            self.log("train/task_loss", task_loss, batch_size=batch_size)
+            self.log("train/distill_loss", distill, batch_size=batch_size)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
         return loss
 
     def _eval_step(self, batch: dict, stage: str, top1, top5) -> torch.Tensor:

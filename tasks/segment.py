@@ -26,6 +26,7 @@ from heads.deeplabv3 import DeepLabV3
 from heads.seg_common import SegmentationHead
 from tasks.outputs.common import displayable
 from tasks.engine.base import TaskModule
+from tasks.engine.distillation import Distillation, LearnsFromTeacher, distillation_loss, mixed_loss
 from tasks.engine.predictor import Predictor
 from tasks.metrics.miou import MeanIoU, image_miou
 from tasks.outputs import segmentation as outputs
@@ -44,8 +45,10 @@ def label_maps(logits: torch.Tensor, orig_sizes: list[tuple[int, int]]) -> list[
                           align_corners=False).argmax(1)[0] for k, (height, width) in enumerate(orig_sizes)]
 
 
-class SegmentationTask(Predictor, TaskModule):
-    """Backbone + segmentation head, trained with pixel-wise cross-entropy.
+class SegmentationTask(LearnsFromTeacher, Predictor, TaskModule):
+    """Backbone + segmentation head, trained with pixel-wise cross-entropy, optionally distilled pixel by
+    pixel from a teacher's logits (:mod:`tasks.engine.distillation`; the teacher is a checkpoint of this task
+    on the same classes).
 
     Args:
         backbone: any image backbone (YAML ``class_path: backbones.MobileViTv2``; its
@@ -61,17 +64,22 @@ class SegmentationTask(Predictor, TaskModule):
             e.g. to stop a dominant background from drowning the rare classes; ``None``: all 1.
             The loss stays a weighted mean over the labelled pixels; scores are unaffected.
         num_sample_images: validation images logged with prediction / truth masks each epoch (media loggers).
+        distillation: the teacher (a segmentation checkpoint) and the loss, applied to the main head's logits at
+            every labelled pixel: ``(1 - alpha) * (seg_loss + aux_weight * aux_loss) + alpha * distill``;
+            ``None``: none.
         Remaining arguments: see :class:`tasks.engine.base.TaskModule`.
     """
 
     DATA_LINKS = {"class_names": "class_names"}
+    teacher_is_image_classifier = False  # a teacher is a checkpoint of this task
     #: the input specification of a segmentation datamodule's arguments (see :class:`tasks.engine.predictor.Predictor`)
     input_spec_rule = staticmethod(segmentation_spec)
 
     def __init__(self, backbone: Backbone, class_names: list[str], head: HeadFactory | None = None,
                  ignore_index: int = IGNORE_INDEX, aux_weight: float = 0.4, class_weights: list[float] | None = None,
-                 num_sample_images: int = 4, **kwargs):
+                 num_sample_images: int = 4, distillation: Distillation | None = None, **kwargs):
         super().__init__(**kwargs)
+        self.init_distillation(distillation)
         self.backbone = backbone
         self.class_names = list(class_names)
         num_classes = len(self.class_names)
@@ -132,10 +140,18 @@ class SegmentationTask(Predictor, TaskModule):
         return losses
 
     def training_loss(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        losses = self.losses(self(batch["image"]), batch["mask"])
-        self.log("train/loss", losses["loss"], prog_bar=True, batch_size=len(batch["image"]))
+        images, mask = batch["image"], batch["mask"]
+        logits = self(images)
+        losses = self.losses(logits, mask)
+        if self.distillation is not None:
+            distill = distillation_loss(self.distillation, logits["out"], self.teacher_output(images)["out"],
+                                        valid=mask != self.ignore_index)
+            self.log("train/task_loss", losses["loss"], batch_size=len(images))
+            self.log("train/distill_loss", distill, batch_size=len(images))
+            losses["loss"] = mixed_loss(self.distillation, losses["loss"], distill)
+        self.log("train/loss", losses["loss"], prog_bar=True, batch_size=len(images))
         if "aux_loss" in losses:
-            self.log("train/aux_loss", losses["aux_loss"], batch_size=len(batch["image"]))
+            self.log("train/aux_loss", losses["aux_loss"], batch_size=len(images))
         return losses["loss"]
 
     # -- evaluation (one image per step, scored at its original size) -------------------------------------------
