@@ -12,9 +12,11 @@ formats; this module only holds the registry and reads no file, so :mod:`backbon
 not the other way round. Which input a model takes, with the values a user gives, is decided once by
 :func:`datamodules.input_spec.resolve_preprocessing`.
 
-Nothing is downloaded at run time. Put the file at the entry's ``file`` (relative to the working directory):
-CVNets' model-zoo file as it is, or, for a timm tag, ``torch.save(timm.create_model(name,
-pretrained=True).state_dict(), file)``; or pass the file's path itself as ``pretrained``.
+A name's file is downloaded once from the entry's ``url`` into a cache and reused offline
+(:func:`backbones.download.fetch_weights`: ``$SUITE_WEIGHTS_DIR``, else torch.hub's cache; ``SUITE_OFFLINE=1``
+forbids downloading). A file put by hand at the entry's ``file`` (relative to the working directory) is read
+first: CVNets' model-zoo file as it is, or, for a timm tag, ``torch.save(timm.create_model(name,
+pretrained=True).state_dict(), file)``. The file's path itself may be passed as ``pretrained`` too.
 
 Adding weights: one :func:`register_weights` call below, with the source of each fact.
 """
@@ -86,8 +88,10 @@ class PretrainedWeights:
             a checkpoint of this suite).
         url: where the file is published (CVNets' model zoo; for timm, its Hugging Face hub id; for ours, the
             recipe that trains it).
-        file: where the suite reads it, relative to the working directory.
+        file: where a file put by hand is read, relative to the working directory (before the download cache).
         preprocessing: the input the weights were trained on.
+        sha256: the published hash of the file at ``url`` (for a timm tag, of the hub's ``model.safetensors``),
+            checked on download; ``None`` where none is published.
     """
 
     name: str
@@ -97,6 +101,7 @@ class PretrainedWeights:
     file: str
     preprocessing: Preprocessing
     arguments: Mapping[str, Any] = field(default_factory=dict)
+    sha256: str | None = None
 
 
 #: name -> entry; filled by :func:`register_weights`
@@ -122,7 +127,8 @@ def find_weights(pretrained: str | None) -> PretrainedWeights | None:
 
 
 def weights_file(pretrained: str) -> Path:
-    """The file ``pretrained`` names: a registered entry's ``file``, or the path itself."""
+    """Where ``pretrained`` is placed by hand: a registered entry's ``file``, or the path itself. It reads no
+    file and downloads nothing; the file an entry is read from is :func:`backbones.download.fetch_weights`'s."""
     entry = find_weights(pretrained)
     return Path(entry.file if entry is not None else pretrained).expanduser()
 
@@ -132,6 +138,7 @@ def weights_file(pretrained: str) -> Path:
 # (data/transforms/image_pil.py ToTensor, no normalisation); 256 x 256 crops, bicubic; the evaluation resize is
 # timm's pretrained_cfg for the same weights (timm/models/mobilevit.py, crop_pct 0.9 for MobileViT, 0.888 for
 # MobileViTv2: 288 -> 256, the resize of CVNets' config/classification/imagenet/mobilevit_v2.yaml).
+# CVNets publishes no hash of its files (the model-zoo page lists addresses only): sha256 stays None.
 CVNETS_ZOO = "https://docs-assets.developer.apple.com/ml-research/models"
 
 for _size in ("xxs", "xs", "s"):
@@ -150,6 +157,7 @@ for _width in (0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0):
         preprocessing=Preprocessing.of_crop_pct(UNNORMALISED_MEAN, UNNORMALISED_STD, 256, 0.888, "bicubic")))
 
 # -- made by this suite's recipes (their EMA checkpoints, copied to ``file``) -------------------------------------
+# Never downloaded: ``url`` names the recipe that makes them.
 # ImageNet-21k-P pre-training and its ImageNet-1k fine-tuning: the recipes' own inputs (no normalisation,
 # 256 x 256 bicubic crops, evaluation resize 288), which the checkpoints also store.
 for _width in (1.5, 1.75, 2.0):
@@ -164,6 +172,9 @@ for _width in (1.5, 1.75, 2.0):
 
 # -- timm tags of the other families -----------------------------------------------------------------------------
 # Every value is the tag's pretrained_cfg in timm 1.0 (timm/models/{convmixer,vision_transformer,mlp_mixer}.py).
+# Downloaded from the Hugging Face hub repo ``url`` names (timm's hf_hub_id), model.safetensors as timm's loader
+# prefers it. The hub publishes each file's sha256 (its LFS object id); it is not recorded here yet (it cannot be
+# read without the network), so the download is checked for completeness only until ``sha256=`` is filled in.
 for _name, _backbone, _arguments, _preprocessing in (
     ("convmixer_768_32.in1k", "convmixer",
      {"dim": 768, "depth": 32, "kernel_size": 7, "patch_size": 7, "act": "relu"},

@@ -9,7 +9,8 @@ takes its classifier from it with :func:`classifier_state`);
 ``load_pretrained(backbone, pretrained)`` loads its backbone part, refusing with the
 lists of missing / unexpected / misshaped keys when it does not fit. ``pretrained`` is a
 checkpoint path or the name of registered weights (:mod:`backbones.pretrained`, which also
-states the input each set of weights was trained on). :func:`preprocessing_of` says what input
+states the input each set of weights was trained on; a name's file is downloaded once into a cache by
+:func:`backbones.download.fetch_weights`). :func:`preprocessing_of` says what input
 a name or a file was trained on (a file by what it holds).
 
 Foreign formats are recognised per backbone by registered converters: the file
@@ -19,8 +20,8 @@ that defines a backbone family registers its key mappings, e.g. ``backbones/vit.
     def _vit_from_timm(state_dict, backbone):
         return {...canonical keys...}
 
-Files are read with ``torch.load(weights_only=True)``: tensors and plain
-containers only, never arbitrary pickled code.
+Files are read with ``torch.load(weights_only=True)``, or as safetensors (the Hugging Face hub's format,
+``.safetensors``): tensors and plain containers only, never arbitrary pickled code.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from typing import Callable, Mapping
 import torch
 import torch.nn as nn
 
+from backbones.download import fetch_weights
 from backbones.pretrained import PRETRAINED, PretrainedWeights, Preprocessing, find_weights, weights_file
 from backbones.registry import BACKBONES
 from layers.registry import Registry
@@ -90,12 +92,12 @@ def read_weights_file(path: str | Path, mmap: bool = False) -> Mapping:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"checkpoint not found: {path}. Nothing is downloaded at run time. A paper recipe names the weights "
-            "it starts from (model.weights for a whole classifier, model.backbone.init_args.pretrained for a "
-            "backbone), registered in backbones/pretrained.py with where to get them: download the released "
-            "CVNets (.pt) or timm checkpoint (both are converted on load), or make it by training the recipe its "
-            "header names (the EMA checkpoint it writes, runs/<task>/checkpoints/best-*.ckpt); then put it at "
-            "that path or pass the option with its path, or null to start from random weights.")
+            f"checkpoint not found: {path}. A file path is read as it is; a name registered in "
+            "backbones/pretrained.py (model.weights for a whole classifier, model.backbone.init_args.pretrained "
+            "for a backbone, as the paper recipes give them) is downloaded once into the weights cache instead. "
+            "Pass an existing file or a registered name, or null to start from random weights.")
+    if path.suffix == ".safetensors":
+        return _read_safetensors(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except RuntimeError as err:
@@ -104,6 +106,17 @@ def read_weights_file(path: str | Path, mmap: bool = False) -> Mapping:
         raise _unreadable(path, err) from err
     except Exception as err:  # weights_only refuses pickled objects other than tensors/containers
         raise _unreadable(path, err) from err
+
+
+def _read_safetensors(path: Path) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)  # maps the file; tensors only by construction of the format
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"cannot read {path} as safetensors: {err}. "
+                         "Is it truncated, or not a safetensors file?") from None
 
 
 def _unreadable(path: Path, err: Exception) -> ValueError:
@@ -224,23 +237,22 @@ def check_fit(state_dict: Mapping[str, torch.Tensor], module: nn.Module, source:
 
 
 def load_pretrained(backbone: nn.Module, pretrained: str | Path) -> StateDict:
-    """Load the weights ``pretrained`` names (an entry of :mod:`backbones.pretrained`, read from its
-    ``file``, or a checkpoint path) into ``backbone``, strictly.
+    """Load the weights ``pretrained`` names (an entry of :mod:`backbones.pretrained`, its file put by hand
+    or downloaded once into the cache, :func:`backbones.download.fetch_weights`; or a checkpoint path) into
+    ``backbone``, strictly. Registered weights that are not here and cannot be downloaded raise
+    :class:`backbones.download.WeightsUnavailable`, whose one-line message names the entry, the URL and the
+    cache path.
 
     Returns the canonical head entries of the checkpoint (``head.*``, possibly
     empty), which the backbone itself ignores.
     """
     entry = find_weights(str(pretrained))
-    path = weights_file(str(pretrained))
-    source = f"{entry.name} ({path})" if entry is not None else str(path)
     if entry is not None:
-        check_family(entry, backbone)
-        if not path.is_file():  # nothing is downloaded at run time: say where these weights come from
-            raise FileNotFoundError(
-                f"weights {entry.name} are read from {path}, which does not exist (working directory {Path.cwd()}). "
-                f"Nothing is downloaded at run time: get the {entry.converter} file from {entry.url} on a machine "
-                f"with internet and put it at {path}, or pass its path as the option, or null to start from "
-                "random weights.")
+        check_family(entry, backbone)  # before any download: weights of another family would be refused after it
+        path = fetch_weights(entry)
+    else:
+        path = weights_file(str(pretrained))
+    source = f"{entry.name} ({path})" if entry is not None else str(path)
     checkpoint = read_weights_file(path)
     state_dict = state_dict_in(checkpoint)
     if not state_dict:

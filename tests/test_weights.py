@@ -202,17 +202,22 @@ def test_unknown_naming_pickles_and_missing_files_are_clear_errors(tmp_path):
 
 
 def test_registered_weights_without_their_file_say_where_to_get_them(tmp_path, monkeypatch):
-    """No machine running the suite may download: a registered name whose file is absent names the file it
-    is read from and the address it is published at."""
+    """Offline, a registered name that is neither in the working directory nor in the cache is refused in one
+    line naming the address it is published at and the cache path to put it at (downloads:
+    test_weights_download.py)."""
+    from backbones.download import WeightsUnavailable
     from backbones.pretrained import find_weights
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SUITE_OFFLINE", "1")
+    monkeypatch.setenv("SUITE_WEIGHTS_DIR", str(tmp_path / "cache"))
     entry = find_weights("mobilevitv2_050.cvnets_in1k")
-    with pytest.raises(FileNotFoundError) as err:
+    with pytest.raises(WeightsUnavailable) as err:
         MobileViTv2(width=0.5, pretrained=entry.name)
     message = str(err.value)
-    assert entry.name in message and entry.file in message and entry.url in message
-    assert "Nothing is downloaded at run time" in message
+    assert entry.name in message and entry.url in message and "\n" not in message
+    assert str(tmp_path / "cache" / entry.name / "mobilevitv2-0.5.pt") in message
+    assert isinstance(err.value, FileNotFoundError)  # callers that catch a missing file still do
 
 
 def test_ddp_prefix_and_registered_converters(tmp_path, v2_reference):
