@@ -13,19 +13,23 @@ checkpointing wraps, channels-last) and before the optimizer is built:
 - one FSDP unit per repeated block of each network (``repeated_blocks``: the units of regional
   compilation and activation checkpointing: transformer layers, MobileViT blocks, mixer blocks),
   so only one block's full weights are held at a time;
-- one unit grouping the task's networks for what remains (stems, heads, embeddings): translation's
-  encoder and decoder share their token table, and a shared parameter must sit in one unit.
+- the task itself as the root unit for what remains (stems, heads, embeddings): FSDP2 needs one
+  root, and translation's encoder and decoder share their token table, which must sit in one unit.
 
-Parameter names do not change, so the optimizer's parameter groups (weight-decay exemptions,
-``--model.layer_decay``) are built as without sharding. Checkpoints are one ordinary file, gathered to
-rank 0 (``save_distributed_checkpoint=False``): ``last.ckpt``, exact mid-epoch resume, ``--ckpt_path`` on
-``test``/``predict``, ``export``, ``tasks.load`` and checkpoint averaging read it as any other, and a run
-may resume under another strategy or number of processes.
+Evaluation gathers every unit once and keeps them gathered until the next training step (see
+:class:`FullyShardedStrategy`). Parameter names do not change, so the optimizer's parameter groups
+(weight-decay exemptions, ``--model.layer_decay``) are built as without sharding, and activation
+checkpointing (which wraps a block's ``forward`` inside the module's hooks) works unchanged.
 
-:func:`check_sharding` refuses, before anything is built, what does not work with it, naming the flag and
-the way out: FSDP1 names (``fsdp_cpu_offload``, ``FSDPStrategy``), ``16-mixed`` (no gradient scaler for
-sharded gradients in Lightning), EMA weights (``EMAWeightAveraging`` deep-copies the module, which FSDP2
-refuses), ``--model.compile`` and ``--trainer.sync_batchnorm`` (not applied by the strategy).
+Checkpoints are one ordinary file, gathered to rank 0 (``save_distributed_checkpoint=False``), with the
+optimizer state numbered as an unsharded run numbers it: ``last.ckpt`` and its atomic writing, exact
+mid-epoch resume, ``--ckpt_path`` on ``test``/``predict``, ``export``, ``tasks.load`` and checkpoint
+averaging read it as any other, and a run may resume under another strategy or number of processes.
+The suite's models fit one rank's memory whole, which is what a one-file checkpoint asks.
+
+:func:`check_sharding` refuses, before anything is built and in one line, what does not work with it,
+naming the setting and the way out: Lightning's FSDP1 (``fsdp_cpu_offload``, ``FSDPStrategy``),
+``16-mixed``, EMA weights (``EMAWeightAveraging``), ``--model.compile`` and ``--trainer.sync_batchnorm``.
 """
 from __future__ import annotations
 
@@ -249,23 +253,23 @@ def check_sharding(subcommand: str | None, config) -> None:
     precision = str(trainer.precision)
     if precision in ("16-mixed", "16"):
         raise ValueError(
-            f"--trainer.strategy fsdp with --trainer.precision {precision}: Lightning's FSDP2 strategy has no "
-            "gradient scaler for sharded gradients. Use --trainer.precision bf16-mixed (or 32-true), or "
-            "--trainer.strategy ddp for 16-mixed.")
+            f"--trainer.strategy fsdp with --trainer.precision {precision}: Lightning's FSDP2 strategy "
+            "(ModelParallelStrategy) has no gradient scaler for sharded fp16 gradients and takes 32-true, bf16-mixed, "
+            "bf16-true or 16-true. Use --trainer.precision bf16-mixed, or --trainer.strategy ddp for 16-mixed.")
     if subcommand not in (None, "fit"):
         return  # evaluation: no optimizer, no averaging, nothing below applies
     averaging = [_class_path(c) for c in (trainer.callbacks or []) if "WeightAveraging" in _class_path(c)]
     if averaging:
         raise ValueError(
-            f"--trainer.strategy fsdp with {averaging[0]}: the weight average is a deep copy of the whole model, "
-            "which FSDP2's sharded modules refuse (and each rank would hold it unsharded). Train EMA recipes with "
-            "--trainer.strategy ddp, or leave the callback out of trainer.callbacks.")
+            f"--trainer.strategy fsdp with {averaging[0]}: the average is a whole copy of the model on every rank, "
+            "updated from parameters that FSDP2 holds as shards (and FSDP2's modules cannot be deep-copied). Train "
+            "EMA recipes with --trainer.strategy ddp, or leave the callback out of trainer.callbacks.")
     model = config.get("model") or {}
     if model.get("compile"):
         raise ValueError(
-            f"--trainer.strategy fsdp with --model.compile {model.get('compile')}: the suite compiles before "
-            "sharding, and a compiled block cannot be sharded afterwards. Drop --model.compile, or train with "
-            "--trainer.strategy ddp to compile.")
+            f"--trainer.strategy fsdp with --model.compile {model.get('compile')}: the task compiles its blocks in "
+            "configure_model, before the strategy shards them, and FSDP2 is meant to wrap modules before they are "
+            "compiled (untested the other way round). Drop --model.compile, or compile under --trainer.strategy ddp.")
     if trainer.get("sync_batchnorm"):
         raise ValueError(
             "--trainer.strategy fsdp with --trainer.sync_batchnorm true: the FSDP2 strategy does not convert "

@@ -195,7 +195,10 @@ class SuiteCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         trainer = config.trainer
         check_deterministic(self.subcommand, trainer, config.get("model"), self.declaration)
-        check_sharding(self.subcommand, config)  # --trainer.strategy fsdp: what cannot run is refused here
+        try:  # --trainer.strategy fsdp: what cannot run is refused in one line, before anything is built
+            check_sharding(self.subcommand, config)
+        except ValueError as err:
+            self.parser.error(str(err))
         if self.checkpoint_path is not None:
             config.ckpt_path = self.checkpoint_path  # kept out of parsing: see __init__
         # one checkpoint directory per run root, so `--ckpt_path last` finds the interrupted run

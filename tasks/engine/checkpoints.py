@@ -26,6 +26,12 @@ def read_checkpoint(path: str | Path) -> dict:
     import torch
 
     file = Path(path)
+    if file.is_dir():
+        raise ValueError(
+            f"checkpoint {file} is a folder: a sharded checkpoint, one part per rank (Lightning's FSDPStrategy with "
+            "state_dict_type='sharded', or ModelParallelStrategy). The suite reads one-file checkpoints, which "
+            "--trainer.strategy fsdp writes; join an FSDPStrategy folder into one file with "
+            f"`python -m lightning.pytorch.utilities.consolidate_checkpoint {file}`.")
     if not file.is_file():
         raise FileNotFoundError(f"checkpoint {file} does not exist")
     try:
