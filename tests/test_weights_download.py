@@ -156,6 +156,18 @@ def test_first_run_downloads_into_the_cache_and_later_runs_read_it_without_the_s
     gives_reference_output(MobileViTv2(width=0.5, pretrained=entry.name), reference)
 
 
+def test_a_registered_cvnets_entry_comes_through_the_mirror_at_its_own_path(server, cache, monkeypatch, reference,
+                                                                            cvnets_bytes):
+    """``SUITE_WEIGHTS_MIRROR`` replaces the host of CVNets' address and keeps its path."""
+    server.files[CVNETS_PATH] = cvnets_bytes
+    monkeypatch.setenv("SUITE_WEIGHTS_MIRROR", server.address + "/")
+    entry = PRETRAINED.get("mobilevitv2_050.cvnets_in1k")
+    assert entry.url == "https://docs-assets.developer.apple.com" + CVNETS_PATH
+    gives_reference_output(MobileViTv2(width=0.5, pretrained=entry.name), reference)
+    assert server.gets == {CVNETS_PATH: 1}
+    assert (cache / entry.name / "mobilevitv2-0.5.pt").read_bytes() == cvnets_bytes
+
+
 def test_a_file_put_at_the_entrys_place_wins_and_nothing_is_fetched(server, cache, monkeypatch, reference,
                                                                      cvnets_bytes):
     entry = register(monkeypatch, server.address + "/w/mobilevitv2-0.5.pt")
@@ -221,6 +233,26 @@ def test_timm_tags_come_from_the_hub_as_safetensors_and_honour_hf_hub_offline(se
     assert (cache / entry.name / "model.safetensors").is_file()
 
 
+def test_a_timm_tag_that_timm_already_fetched_is_read_from_the_hub_cache(cache, monkeypatch, reference):
+    """``timm.create_model(name, pretrained=True)`` left the file in the Hugging Face hub cache (its layout:
+    ``models--<org>--<name>/snapshots/<revision>/<file>``, ``refs/main`` naming the revision): it is read from
+    there, offline, and not fetched again."""
+    import huggingface_hub.constants
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache.parent / "hub"))
+    repo = cache.parent / "hub" / "models--timm--mobilevitv2_050.loopback_test"
+    (repo / "snapshots" / "0123abc").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()},
+              repo / "snapshots" / "0123abc" / "model.safetensors")
+    entry = register(monkeypatch, "timm/mobilevitv2_050.loopback_test", converter="timm")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    gives_reference_output(MobileViTv2(width=0.5, pretrained=entry.name), reference)
+    assert not cache.exists()
+
+
 def test_the_suites_own_weights_are_never_downloaded_and_name_their_recipe(cache):
     entry = PRETRAINED.get("mobilevitv2_150.suite_in21k_p")
     with pytest.raises(WeightsUnavailable) as err:
@@ -264,6 +296,7 @@ def test_two_processes_asking_at_once_download_once(server, tmp_path):
 
 
 # -- through the command ---------------------------------------------------------------------------------------
+@pytest.mark.slow  # ~25 s here, nearly all of it the CLI's imports
 def test_the_cli_refuses_unavailable_weights_in_one_line(run_cli, tmp_path):
     """A new user's first command offline: one line naming the entry, the URL and the cache path, no traceback."""
     entry = PRETRAINED.get("mobilevitv2_050.cvnets_in1k")
