@@ -136,17 +136,17 @@ def fetch_weights(entry: PretrainedWeights) -> Path:
     switch = offline_switch(entry)
     if switch is not None:
         raise WeightsUnavailable(
-            f"weights {entry.name} are not on this machine and {switch}=1 forbids downloading {url}: download "
-            f"it on a machine with internet to {cache_path(entry, url)} (or unset {switch}), or pass a file path "
-            "instead, or null to start from random weights")
-    for i, (url, sha256) in enumerate(candidates):
+            f"weights {entry.name} are not on this machine and {switch}={os.environ[switch]} forbids downloading "
+            f"{url}: download it on a machine with internet to {cache_path(entry, url)} (or unset {switch}), or pass "
+            "a file path instead, or null to start from random weights")
+    for url, sha256 in candidates:
         try:
             return download_once(url, cache_path(entry, url), sha256, what=f"weights {entry.name}")
         except NotPublished:
-            if i == len(candidates) - 1:
-                raise WeightsUnavailable(
-                    f"weights {entry.name}: {url} answers 404 (not found): the entry's address is out of date; "
-                    f"download the file by hand to {cache_path(entry, url)}, or pass a file path instead") from None
+            continue  # timm's next file may be published instead
+    raise WeightsUnavailable(
+        f"weights {entry.name}: {url} answers 404 (not found): the entry's address is out of date; download the "
+        f"file by hand to {cache_path(entry, url)}, or pass a file path instead, or null to start from random weights")
 
 
 def _in_hub_cache(entry: PretrainedWeights) -> Path | None:

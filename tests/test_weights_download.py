@@ -233,6 +233,25 @@ def test_timm_tags_come_from_the_hub_as_safetensors_and_honour_hf_hub_offline(se
     assert (cache / entry.name / "model.safetensors").is_file()
 
 
+def test_a_hub_repo_without_safetensors_gives_timms_next_file_and_one_with_neither_is_one_line(
+        server, cache, monkeypatch, reference):
+    """timm's loader takes ``pytorch_model.bin`` where a repo has no ``model.safetensors``; so does the suite."""
+    buffer = io.BytesIO()
+    torch.save(reference.state_dict(), buffer)
+    repo = "/timm/mobilevitv2_050.loopback_test/resolve/main"
+    server.files[f"{repo}/pytorch_model.bin"] = buffer.getvalue()
+    entry = register(monkeypatch, "timm/mobilevitv2_050.loopback_test", converter="timm")
+    monkeypatch.setenv("HF_ENDPOINT", server.address)
+    gives_reference_output(MobileViTv2(width=0.5, pretrained=entry.name), reference)
+    assert server.gets == {f"{repo}/model.safetensors": 1, f"{repo}/pytorch_model.bin": 1}
+    assert leftovers(cache) == ["pytorch_model.bin"]
+
+    other = register(monkeypatch, "timm/mobilevitv2_050.unpublished", name="mobilevitv2_050.unpublished",
+                     converter="timm")
+    url = f"{server.address}/timm/mobilevitv2_050.unpublished/resolve/main/pytorch_model.bin"
+    assert "answers 404 (not found)" in refusal(other, url)
+
+
 def test_a_timm_tag_that_timm_already_fetched_is_read_from_the_hub_cache(cache, monkeypatch, reference):
     """``timm.create_model(name, pretrained=True)`` left the file in the Hugging Face hub cache (its layout:
     ``models--<org>--<name>/snapshots/<revision>/<file>``, ``refs/main`` naming the revision): it is read from
