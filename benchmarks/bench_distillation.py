@@ -7,9 +7,10 @@ For each student and teacher pair, one process builds the real :class:`tasks.cla
 (with DeiT's distillation token where the student is ``deit_tiny``) and times its training step,
 ``training_loss`` (the teacher's forward included), backward and an AdamW update, in train mode and fp32:
 without distillation, then with the teacher (soft KL, T = 1, alpha = 0.5). The two are timed in turn
-after one warm-up step each, best of ``--reps``. The teacher's share of the step is what distillation
-adds; its weights are random here (the cost does not depend on them). Also printed: each network's
-parameters and forward GFLOPs per image (:func:`tasks.engine.cost.count_flops`).
+after one warm-up step each, best of ``--reps``; and the teacher's forward alone (eval mode, no_grad), which is
+what distillation adds. The weights are random here (the cost does not depend on them). Also printed: each
+network's parameters and forward GFLOPs per image (:func:`tasks.engine.cost.count_flops`). On a shared machine
+the times move with the load of other processes: compare the columns of one row, measured in turn.
 """
 from __future__ import annotations
 
@@ -68,6 +69,12 @@ def step_time(task, optimizer, batch: dict) -> float:
     return time.perf_counter() - start
 
 
+def teacher_time(task, batch: dict) -> float:
+    start = time.perf_counter()
+    task.teacher_output(batch["image"])
+    return time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> None:
     from tasks.engine.cost import count_flops, count_parameters
 
@@ -84,9 +91,9 @@ def main(argv: list[str] | None = None) -> None:
              "target": torch.randint(0, args.classes, (args.batch,))}
     print(f"{args.size} px, batch {args.batch}, {args.classes} classes, fp32 train step (loss, backward, AdamW) on "
           f"the CPU ({torch.get_num_threads()} threads, torch {torch.__version__}); soft KL, T = 1, alpha = 0.5")
-    print(f"| student | teacher | student params (M), GFLOPs | teacher params (M), GFLOPs | step without (s) | "
-          f"step with (s) | with / without |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| student | teacher | student params (M), GFLOPs | teacher params (M), GFLOPs | step without (s) | "
+          "step with (s) | teacher forward (s) | with / without |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     example = torch.zeros(1, 3, args.size, args.size)
     for pair in args.pairs:
         student, teacher = pair.split(":")
@@ -96,13 +103,15 @@ def main(argv: list[str] | None = None) -> None:
                 for name, net in (("student", runs["without"][0]), ("teacher", runs["with"][0].teacher.network))}
         for task, optimizer in runs.values():  # warm-up
             step_time(task, optimizer, batch)
-        times = {name: [] for name in runs}
+        times = {name: [] for name in (*runs, "teacher")}
         for _ in range(args.reps):
             for name, (task, optimizer) in runs.items():
                 times[name].append(step_time(task, optimizer, batch))
+            times["teacher"].append(teacher_time(runs["with"][0], batch))
         best = {name: min(values) for name, values in times.items()}
         print(f"| {student} | {teacher} | {cost['student'][0]:.2f}, {cost['student'][1]:.2f} | "
               f"{cost['teacher'][0]:.2f}, {cost['teacher'][1]:.2f} | {best['without']:.3f} | {best['with']:.3f} | "
+              f"{best['teacher']:.3f} | "
               f"{best['with'] / best['without']:.2f}x |")
 
 

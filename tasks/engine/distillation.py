@@ -373,7 +373,12 @@ class LearnsFromTeacher:
         GFLOPs per image at the data's size where it is known)."""
         config, example = self.distillation, self.example_input_array
         size = example.shape[-1] if isinstance(example, torch.Tensor) else None
-        teacher, student = self.teacher.cost(size), self.model_cost()
+        try:  # the FLOP count runs the teacher once at the data's size: a teacher that cannot take it stops here
+            teacher = self.teacher.cost(size)
+        except (ValueError, RuntimeError, AssertionError) as err:
+            raise ValueError(f"distillation teacher {self.teacher.name} does not take the student's {size} px images "
+                             f"({err}): a teacher sees the student's batch as it is") from None
+        student = self.model_cost()
         at = f" per {size} px image" if size else ""
 
         def show(cost: dict) -> str:
