@@ -48,6 +48,28 @@ def run_task(task: str, *args: str, cwd: Path, check: bool = True, timeout: floa
     return proc
 
 
+@pytest.fixture(scope="session")
+def demo_fit(tmp_path_factory, demo_cache):
+    """``demo_fit(task)`` -> the run directory (``.../runs/<task>``) of one short fit of the task's demo recipe
+    (tests/test_contract.py's TINY, SHAPE_OVERRIDE, QUIET and SHORT_FIT), made once per session on first use.
+
+    Shared by every test that only needs *a* trained checkpoint and reads it: such a test runs its own
+    `test`/`predict`/`export` in its own ``tmp_path`` and must never write into this run (copy the
+    checkpoint first if the command under test writes next to it)."""
+    from tests.test_contract import QUIET, SHAPE_OVERRIDE, SHORT_FIT, TINY
+
+    runs: dict[str, Path] = {}
+
+    def fit(task: str) -> Path:
+        if task not in runs:
+            cwd = tmp_path_factory.mktemp(f"demo-fit-{task}")
+            run_task(task, "fit", *TINY[task], *SHAPE_OVERRIDE[task], *QUIET, *SHORT_FIT, cwd=cwd)
+            runs[task] = cwd / "runs" / task
+        return runs[task]
+
+    return fit
+
+
 @pytest.fixture
 def run_cli(tmp_path):
     """``run_cli("classify", "fit", "--trainer.max_steps", "2")`` runs the task's CLI in ``tmp_path``."""

@@ -4,6 +4,9 @@ Every promise the README states for all tasks has a cell per task here, so a tas
 one fails a named cell (``test_<promise>[<task>]``). Each cell runs the task's real CLI in a
 subprocess on its embedded demo data. Cells that take minutes (kill-and-resume of the dense
 tasks, 1-vs-2-process equality) and the bf16 cells but classification's carry the ``slow`` marker.
+Where a promise is kept by code every task shares (the CLI, tasks/engine), the default run keeps the
+cells of the tasks with code of their own in the path and the other cells carry ``slow`` (each test's
+docstring names which): the default run stays under 10 minutes on 2 cores, ``-m slow`` runs the rest.
 """
 from __future__ import annotations
 
@@ -20,6 +23,11 @@ from configs.tasks import task_declaration, task_names
 from tests.conftest import REPO, run_task
 
 TASKS = tuple(task_names())
+
+
+def cells(*default: str) -> list:
+    """Every task as a parameter; the tasks not in ``default`` carry the ``slow`` marker."""
+    return [task if task in default else pytest.param(task, marks=pytest.mark.slow) for task in TASKS]
 
 #: CPU-sized arguments per task (its declaration's smoke flags, loaders in this process); the second list
 #: changes the network's shape away from the demo recipe, so a checkpoint rebuilt from the recipe instead of
@@ -44,19 +52,11 @@ def demo_dir(cache: Path, prefix: str) -> Path:
     return found[-1]
 
 
-@pytest.fixture(scope="module")
-def fitted(tmp_path_factory):
-    """``fitted(task)`` -> the run directory of one short fit with :data:`SHAPE_OVERRIDE` (cached per module)."""
-    runs: dict[str, Path] = {}
-
-    def fit(task: str) -> Path:
-        if task not in runs:
-            cwd = tmp_path_factory.mktemp(f"fit-{task}")
-            run_task(task, "fit", *TINY[task], *SHAPE_OVERRIDE[task], *QUIET, *SHORT_FIT, cwd=cwd)
-            runs[task] = cwd / "runs" / task
-        return runs[task]
-
-    return fit
+@pytest.fixture
+def fitted(demo_fit):
+    """``fitted(task)`` -> the run directory of the session's shared short fit (conftest's ``demo_fit``),
+    read only."""
+    return demo_fit
 
 
 def all_finite(state: dict) -> bool:
@@ -64,8 +64,11 @@ def all_finite(state: dict) -> bool:
 
 
 # -- the checkpoint carries the model ---------------------------------------------------------------
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", cells("classify", "translate"))
 def test_checkpoint_rebuilds_the_model_with_no_overrides(task, fitted, tmp_path):
+    """The CLI rebuilds the network from the checkpoint's own arguments (tasks/cli/suite.py, shared by every
+    task). Default run: classification and translation (whose tokenizer also comes from the checkpoint);
+    detection and segmentation repeat the shared path and run in the slow suite."""
     import importlib
 
     ckpt = fitted(task) / "checkpoints" / "last.ckpt"
@@ -108,8 +111,10 @@ def _predict_input(task: str, cache: Path, folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", cells("classify", "segment", "translate"))
 def test_predict_on_unlabelled_input_needs_only_the_checkpoint(task, fitted, tmp_path, demo_cache):
+    """Each task writes its own predictions. Detection's cell runs in the slow suite: tests/test_detect_cli.py's
+    predict test runs the same writer in the default run, and reading only the input is the shared CLI's."""
     ckpt = fitted(task) / "checkpoints" / "last.ckpt"
     source = _predict_input(task, demo_cache, tmp_path / "inputs")
     empty_cache = tmp_path / "empty-cache"  # no demo data may be built: predict reads only its input
@@ -132,8 +137,11 @@ def test_predict_on_unlabelled_input_needs_only_the_checkpoint(task, fitted, tmp
 
 
 # -- a non-finite loss stops the run before the optimizer step ------------------------------------------
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", cells("classify", "detect"))
 def test_nonfinite_loss_stops_before_the_optimizer_step(task, tmp_path):
+    """The guard is tasks/engine/nonfinite.py's, shared by every task. Default run: classification and
+    detection (the most elaborate loss: anchor matching, several terms); segmentation and translation repeat
+    the shared guard and run in the slow suite."""
     proc = run_task(task, "fit", *TINY[task], *SHAPE_OVERRIDE[task], *QUIET, *SHORT_FIT,
                     "--trainer.limit_val_batches", "0", "--checkpoint.every_n_train_steps", "1",
                     "--trainer.callbacks+=tests.callbacks.NaNOutputAtStep", "--trainer.callbacks.init_args.step", "2",
@@ -192,8 +200,11 @@ def _other_data(task: str, cache: Path, root: Path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", cells("classify", "translate"))
 def test_checkpoint_on_data_with_other_classes_is_refused(task, fitted, tmp_path, demo_cache):
+    """The check is tasks/engine/data_checks.py's over each task's DATA_LINKS. Default run: classification
+    (class names) and translation (which adds its own vocabulary comparison); detection's category ids and
+    segmentation's class names go through the same shared comparison and run in the slow suite."""
     ckpt = fitted(task) / "checkpoints" / "last.ckpt"
     other = _other_data(task, demo_cache, tmp_path / "other")
     proc = run_task(task, "test", "--ckpt_path", str(ckpt), "--data.root", str(other), *TINY[task], *QUIET,
@@ -285,7 +296,7 @@ PRECISION_ARGS = {
 
 
 # the dense tasks' and translation's cells (10-20 s each) run in the slow suite, to keep the default run under 10 min
-@pytest.mark.parametrize("task", [t if t == "classify" else pytest.param(t, marks=pytest.mark.slow) for t in TASKS])
+@pytest.mark.parametrize("task", cells("classify"))
 def test_bf16_mixed_fit_has_finite_decreasing_loss(task, run_cli, tmp_path):
     """A few bf16-mixed steps on one fixed batch: finite, decreasing losses (float32 islands keep
     softmax, the detection loss and scores stable)."""

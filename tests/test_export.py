@@ -108,10 +108,14 @@ def test_export_refuses_an_unsupported_opset(capsys):
         export("classify", "--ckpt_path", "any.ckpt", "--opset", "11", capsys=capsys)
 
 
-def test_export_refuses_a_data_option_the_checkpoint_does_not_have(checkpoint, capsys):
+def test_export_refuses_a_data_option_the_checkpoint_does_not_have(demo_fit, tmp_path, capsys):
+    import shutil
+
+    # a copy of the session's shared classification checkpoint: an export that went ahead would write beside it
+    ckpt = shutil.copy(demo_fit("classify") / "checkpoints" / "last.ckpt", tmp_path / "last.ckpt")
     with pytest.raises(ValueError, match=r"--data.imagesize is not a data option of this checkpoint's datamodule "
                                          r"\(datamodules.imagefolder.ImageFolderDataModule: .*image_size"):
-        export("classify", "--ckpt_path", str(checkpoint("classify")), "--data.imagesize", "64", capsys=capsys)
+        export("classify", "--ckpt_path", str(ckpt), "--data.imagesize", "64", capsys=capsys)
 
 
 # -- slow: one export each ------------------------------------------------------------------------------------
