@@ -25,6 +25,11 @@ from backbones.weights import convert_checkpoint, load_pretrained  # noqa: E402
 
 __all__ += ["MobileViT", "MobileViTv2", "convert_checkpoint", "load_pretrained"]
 
+# any timm architecture (its feature maps, pooled embedding, tags and preprocessing)
+from backbones.timm_backbone import Timm  # noqa: E402
+
+__all__ += ["Timm"]
+
 # the sequence encoder of the translation task
 from backbones.transformer import TransformerEncoder  # noqa: E402
 

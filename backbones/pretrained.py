@@ -121,9 +121,46 @@ def find_weights(pretrained: str | None) -> PretrainedWeights | None:
         return PRETRAINED.get(pretrained)
     if Path(pretrained).expanduser().is_file() or "/" in pretrained or "\\" in pretrained:
         return None  # a path: a missing file is reported where it is read, with what to do
+    entry = timm_weights(pretrained) if "." in pretrained else None  # a tag, never a bare architecture
+    if entry is not None:
+        return entry
     close = difflib.get_close_matches(pretrained.lower(), PRETRAINED.names(), n=3)
     raise ValueError(f"{pretrained!r} names neither registered weights (closest: "
                      f"{', '.join(close) if close else 'none; see backbones/pretrained.py'}) nor a file")
+
+
+def timm_weights(name: str) -> PretrainedWeights | None:
+    """The entry of timm's pretrained tag ``name`` (``convnext_atto.d2_in1k``; an architecture alone names its
+    default tag), registered on first use; ``None`` when timm has no such tag with downloadable weights.
+
+    Every fact is the tag's ``pretrained_cfg`` in the installed timm (timm/models/<family>.py,
+    ``default_cfgs``): mean, std, ``input_size``, ``crop_pct`` and ``interpolation`` give the preprocessing
+    (:meth:`Preprocessing.of_crop_pct`), ``hf_hub_id`` (else ``url``) where the file is downloaded. The
+    backbone is :class:`backbones.timm_backbone.Timm` of the tag's architecture."""
+    if name in PRETRAINED:
+        return PRETRAINED.get(name)
+    try:
+        import timm.models
+    except ImportError:
+        return None
+    arch = timm.models.get_arch_name(name)
+    if not timm.models.is_model(arch):
+        return None
+    try:
+        cfg = timm.models.get_pretrained_cfg(name, allow_unregistered=False)
+    except RuntimeError:  # an unknown tag of a known architecture, or an architecture without tags
+        return None
+    source = cfg.hf_hub_id or cfg.url
+    if not source:
+        return None
+    full = name if "." in name else f"{arch}.{cfg.tag}" if cfg.tag else arch
+    if full in PRETRAINED:
+        return PRETRAINED.get(full)
+    return register_weights(PretrainedWeights(
+        name=full, backbone="timm", arguments={"name": arch}, converter="timm", url=source,
+        file=f"checkpoints/timm/{full}.pth",
+        preprocessing=Preprocessing.of_crop_pct(cfg.mean, cfg.std, cfg.input_size[-1], cfg.crop_pct,
+                                                cfg.interpolation)))
 
 
 def weights_file(pretrained: str) -> Path:
