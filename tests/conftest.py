@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -68,6 +69,31 @@ def demo_fit(tmp_path_factory, demo_cache):
         return runs[task]
 
     return fit
+
+
+@pytest.fixture(scope="session")
+def classify_run(tmp_path_factory, demo_cache) -> SimpleNamespace:
+    """One classification fit (tests/test_classify_cli.py's TINY: 4 steps of 16 images at 32 px, one validation
+    of 2 batches) then `test` of its last.ckpt (3 batches of 16), both logging to wandb (offline), TensorBoard
+    and CSV at once; made once per session for the CLI test and the media test, which only read it.
+
+    Returns ``root`` (``runs/classify``), ``fit`` and ``test`` (their CompletedProcess), ``last`` (the
+    checkpoint tested) and ``fit_wandb_runs`` (the wandb run folders there were when the fit had ended)."""
+    from tests.test_classify_cli import TINY
+    from tests.test_media import loggers
+
+    import importlib.util
+
+    cwd = tmp_path_factory.mktemp("classify-run")
+    # without TensorBoard (a dev extra) the media test skips; the CLI test still gets its run
+    names = ("wandb", "tensorboard", "csv") if importlib.util.find_spec("tensorboard") else ("wandb", "csv")
+    args = [*TINY, "--data.eval_batch_size", "16", "--trainer.accelerator", "cpu", *loggers(*names)]
+    fit = run_task("classify", "fit", *args, cwd=cwd)
+    root = cwd / "runs" / "classify"
+    fit_wandb_runs = sorted((root / "wandb").glob("offline-run-*"))
+    last = next(root.rglob("last.ckpt"))
+    test = run_task("classify", "test", "--ckpt_path", str(last), *args, cwd=cwd)
+    return SimpleNamespace(root=root, fit=fit, test=test, last=last, fit_wandb_runs=fit_wandb_runs)
 
 
 @pytest.fixture

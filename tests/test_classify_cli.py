@@ -14,9 +14,10 @@ TINY = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4", "--tr
         "--model.scheduler.init_args.warmup_steps", "2"]
 
 
-def test_fit_then_test_writes_checkpoints_wandb_run_predictions_and_metrics(run_cli, tmp_path):
-    fit = run_cli("classify", "fit", *TINY)
-    root = tmp_path / "runs" / "classify"
+def test_fit_then_test_writes_checkpoints_wandb_run_predictions_and_metrics(classify_run):
+    """The session's shared classification run (conftest's ``classify_run``: this file's TINY, wandb first of
+    its loggers); tests/test_media.py reads the same run's TensorBoard and CSV output."""
+    fit, root = classify_run.fit, classify_run.root
     assert "best checkpoint:" in fit.stdout + fit.stderr
     # output to a pipe, as in a cluster log: plain progress lines instead of a redrawn bar
     assert "fit epoch 1/1 step 1/4 (batch 1/4) loss" in fit.stdout and "fit epoch 1 done at step 4" in fit.stdout
@@ -25,13 +26,13 @@ def test_fit_then_test_writes_checkpoints_wandb_run_predictions_and_metrics(run_
     names = {p.name for p in ckpts}
     assert "last.ckpt" in names and any(n.startswith("best-") for n in names), names
     # wandb wrote an offline run under the run directory, holding the resolved config
-    run_dirs = list((root / "wandb").glob("offline-run-*"))
+    run_dirs = classify_run.fit_wandb_runs
     assert len(run_dirs) == 1, list(root.rglob("*"))[:20]
     config = yaml.safe_load((run_dirs[0] / "files" / "suite_config.yaml").read_text())
     assert config["model"]["backbone"]["class_path"].endswith("MobileViTv2")
 
     last = next(p for p in ckpts if p.name == "last.ckpt")
-    run_cli("classify", "test", "--ckpt_path", str(last), *TINY)
+    assert last == classify_run.last  # the checkpoint `test` scored
     predictions = root / "predictions"
     metrics = json.loads((predictions / "metrics.json").read_text())
     assert set(metrics) >= {"test/top1", "test/top5"}

@@ -21,15 +21,6 @@ import torch
 from tasks.outputs.media import (AllSinks, Boxes, CsvSink, Mask, MlflowSink, TensorBoardSink, WandbSink, drawn,
                                  markdown_table, media_sink)
 
-#: a classification fit of 4 steps with one validation of 2 batches of 16, and a test of 3 batches
-CLASSIFY = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2",
-            "--trainer.limit_test_batches", "3", "--trainer.num_sanity_val_steps", "0",
-            "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu", "--data.batch_size", "16",
-            "--data.eval_batch_size", "16", "--data.num_workers", "0", "--data.image_size", "32",
-            "--data.eval_resize", "32",
-            "--model.scheduler.init_args.warmup_steps", "2"]
-
-
 def loggers(*names: str) -> list[str]:
     """``--trainer.logger`` naming several of Lightning's loggers, each in its own folder under the run root."""
     known = {"wandb": {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"offline": True}},
@@ -65,12 +56,11 @@ def read_csv(path: Path) -> list[list[str]]:
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_classification_media_reach_wandb_tensorboard_and_csv(run_cli, tmp_path):
+def test_classification_media_reach_wandb_tensorboard_and_csv(classify_run):
+    """The session's shared classification run (conftest's ``classify_run``): a fit of 4 steps with one
+    validation of 2 batches of 16, and a test of 3 batches, logging to wandb, TensorBoard and CSV at once."""
     pytest.importorskip("tensorboard")
-    run_cli("classify", "fit", *CLASSIFY, *loggers("wandb", "tensorboard", "csv"))
-    root = tmp_path / "runs" / "classify"
-    last = next(root.rglob("last.ckpt"))
-    run_cli("classify", "test", "--ckpt_path", str(last), *CLASSIFY, *loggers("wandb", "tensorboard", "csv"))
+    root = classify_run.root
     predictions = root / "predictions"
     per_class = read_csv(predictions / "per_class.csv")
     worst = read_csv(predictions / "worst" / "worst.csv")
