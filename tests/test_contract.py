@@ -111,10 +111,11 @@ def _predict_input(task: str, cache: Path, folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("task", cells("classify", "segment", "translate"))
+@pytest.mark.parametrize("task", cells("classify", "translate"))
 def test_predict_on_unlabelled_input_needs_only_the_checkpoint(task, fitted, tmp_path, demo_cache):
-    """Each task writes its own predictions. Detection's cell runs in the slow suite: tests/test_detect_cli.py's
-    predict test runs the same writer in the default run, and reading only the input is the shared CLI's."""
+    """Each task writes its own predictions; reading nothing but the input and the checkpoint is the shared
+    CLI's. Detection's and segmentation's cells run in the slow suite: the predict tests of
+    tests/test_detect_cli.py and tests/test_segment_cli.py run their writers in the default run."""
     ckpt = fitted(task) / "checkpoints" / "last.ckpt"
     source = _predict_input(task, demo_cache, tmp_path / "inputs")
     empty_cache = tmp_path / "empty-cache"  # no demo data may be built: predict reads only its input
@@ -137,11 +138,10 @@ def test_predict_on_unlabelled_input_needs_only_the_checkpoint(task, fitted, tmp
 
 
 # -- a non-finite loss stops the run before the optimizer step ------------------------------------------
-@pytest.mark.parametrize("task", cells("classify", "detect"))
+@pytest.mark.parametrize("task", cells("classify"))
 def test_nonfinite_loss_stops_before_the_optimizer_step(task, tmp_path):
-    """The guard is tasks/engine/nonfinite.py's, shared by every task. Default run: classification and
-    detection (the most elaborate loss: anchor matching, several terms); segmentation and translation repeat
-    the shared guard and run in the slow suite."""
+    """The guard is tasks/engine/nonfinite.py's, shared by every task: classification's cell runs in the
+    default suite, the other tasks' cells repeat the shared guard and run in the slow suite."""
     proc = run_task(task, "fit", *TINY[task], *SHAPE_OVERRIDE[task], *QUIET, *SHORT_FIT,
                     "--trainer.limit_val_batches", "0", "--checkpoint.every_n_train_steps", "1",
                     "--trainer.callbacks+=tests.callbacks.NaNOutputAtStep", "--trainer.callbacks.init_args.step", "2",

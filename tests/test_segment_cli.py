@@ -127,8 +127,9 @@ def check_per_class(path: Path, confmat: np.ndarray, class_names: list[str]) -> 
             assert r["pixel_accuracy"] == "nan"
 
 
-@pytest.mark.slow
 def test_predict_on_a_folder(fitted, tmp_path):
+    """The segmentation writer in the default run (tests/test_contract.py's segmentation predict cell, which
+    needs a fit of its own, is in the slow suite)."""
     root, run_dir, cache = fitted
     folder = tmp_path / "photos"
     folder.mkdir()
