@@ -8,7 +8,8 @@ For each student and teacher pair, one process builds the real :class:`tasks.cla
 ``training_loss`` (the teacher's forward included), backward and an AdamW update, in train mode and fp32:
 without distillation, then with the teacher (soft KL, T = 1, alpha = 0.5). The two are timed in turn
 after one warm-up step each, best of ``--reps``; and the teacher's forward alone (eval mode, no_grad), which is
-what distillation adds. The weights are random here (the cost does not depend on them). Also printed: each
+what distillation adds. Each time is taken twice: wall-clock, and the CPU time of this process
+(``time.process_time``, all its threads), which moves less when other processes share the cores. The weights are random here (the cost does not depend on them). Also printed: each
 network's parameters and forward GFLOPs per image (:func:`tasks.engine.cost.count_flops`). On a shared machine
 the times move with the load of other processes: compare the columns of one row, measured in turn.
 """
@@ -61,18 +62,17 @@ def build(student: str, teacher: str | None, size: int, classes: int):
     return task.train(), optimizer
 
 
-def step_time(task, optimizer, batch: dict) -> float:
-    start = time.perf_counter()
+def timed(work) -> tuple[float, float]:
+    """(wall-clock seconds, CPU seconds of this process) of ``work()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    work()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def training_step(task, optimizer, batch: dict) -> None:
     task.training_loss(batch, 0).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
-
-
-def teacher_time(task, batch: dict) -> float:
-    start = time.perf_counter()
-    task.teacher_output(batch["image"])
-    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None) -> None:
              "target": torch.randint(0, args.classes, (args.batch,))}
     print(f"{args.size} px, batch {args.batch}, {args.classes} classes, fp32 train step (loss, backward, AdamW) on "
           f"the CPU ({torch.get_num_threads()} threads, torch {torch.__version__}); soft KL, T = 1, alpha = 0.5")
-    print("| student | teacher | student params (M), GFLOPs | teacher params (M), GFLOPs | step without (s) | "
-          "step with (s) | teacher forward (s) | with / without |")
+    print("Times in seconds, wall-clock / CPU time of the process.")
+    print("| student | teacher | student params (M), GFLOPs | teacher params (M), GFLOPs | step without | "
+          "step with | teacher forward | with / without |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     example = torch.zeros(1, 3, args.size, args.size)
     for pair in args.pairs:
@@ -102,17 +103,22 @@ def main(argv: list[str] | None = None) -> None:
         cost = {name: (count_parameters(net) / 1e6, count_flops(net, example) / 1e9)
                 for name, net in (("student", runs["without"][0]), ("teacher", runs["with"][0].teacher.network))}
         for task, optimizer in runs.values():  # warm-up
-            step_time(task, optimizer, batch)
+            training_step(task, optimizer, batch)
         times = {name: [] for name in (*runs, "teacher")}
         for _ in range(args.reps):
             for name, (task, optimizer) in runs.items():
-                times[name].append(step_time(task, optimizer, batch))
-            times["teacher"].append(teacher_time(runs["with"][0], batch))
-        best = {name: min(values) for name, values in times.items()}
+                times[name].append(timed(lambda: training_step(task, optimizer, batch)))
+            times["teacher"].append(timed(lambda: runs["with"][0].teacher_output(batch["image"])))
+        # best of the repetitions, wall-clock and CPU time each
+        best = {name: tuple(min(column) for column in zip(*values)) for name, values in times.items()}
+
+        def both(pair: tuple[float, float]) -> str:
+            return f"{pair[0]:.3f} / {pair[1]:.3f}"
+
+        ratio = (best["with"][0] / best["without"][0], best["with"][1] / best["without"][1])
         print(f"| {student} | {teacher} | {cost['student'][0]:.2f}, {cost['student'][1]:.2f} | "
-              f"{cost['teacher'][0]:.2f}, {cost['teacher'][1]:.2f} | {best['without']:.3f} | {best['with']:.3f} | "
-              f"{best['teacher']:.3f} | "
-              f"{best['with'] / best['without']:.2f}x |")
+              f"{cost['teacher'][0]:.2f}, {cost['teacher'][1]:.2f} | {both(best['without'])} | {both(best['with'])} | "
+              f"{both(best['teacher'])} | {ratio[0]:.2f}x / {ratio[1]:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -164,9 +164,6 @@ class Teacher:
     def __deepcopy__(self, memo) -> "Teacher":
         return self
 
-    def parameters(self) -> int:
-        return count_parameters(self.network)
-
     def __call__(self, images: torch.Tensor, like: torch.Tensor, student_mean: Sequence[float] | None = None,
                  student_std: Sequence[float] | None = None) -> Any:
         """The teacher's output for (B, 3, H, W) ``images`` normalised with the student's ``student_mean`` /
@@ -202,7 +199,7 @@ class Teacher:
 
     def cost(self, image_size: int | None) -> dict[str, float]:
         """``{"params"}`` and, at ``image_size``, ``{"gflops"}`` of one image through the teacher."""
-        cost: dict[str, float] = {"params": self.parameters()}
+        cost: dict[str, float] = {"params": count_parameters(self.network)}
         if image_size:
             device = next(self.network.parameters()).device
             cost["gflops"] = count_flops(self.network, torch.zeros(1, 3, image_size, image_size, device=device)) / 1e9
@@ -280,8 +277,11 @@ def _registered_teacher(name: str, num_classes: int) -> Teacher:
 
 
 def _timm_teacher(model_name: str, num_classes: int, teacher_file: str | None) -> Teacher:
-    import timm
-    from timm.models import load_state_dict
+    try:
+        import timm
+        from timm.models import load_state_dict
+    except ImportError:  # timm is among the suite's dev extras, not its requirements
+        raise ImportError(f"the teacher timm:{model_name} needs timm: pip install timm") from None
 
     if not timm.is_model(model_name):
         close = timm.list_models(f"*{model_name.split('.')[0].split('_')[0]}*")[:5]
