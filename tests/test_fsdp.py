@@ -257,3 +257,19 @@ def test_a_sharded_checkpoint_folder_is_refused_naming_it(tmp_path):
     torch.save({"epoch": 0}, folder / "meta.pt")
     with pytest.raises(ValueError, match=rf"checkpoint {folder} is a folder: a sharded checkpoint.*consolidate"):
         read_checkpoint(folder)
+
+
+@pytest.mark.slow
+def test_a_nonfinite_loss_is_skipped_under_fsdp_as_under_ddp(tmp_path):
+    """The loss guard's device-side skip (the fused AdamW's found_inf) on sharded parameters: from step 1 on the
+    network's output is NaN; both skipped steps leave weights and Adam's step count as DDP leaves them."""
+    nan = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "1",
+           "--model.on_nonfinite_loss", "skip", "--trainer.callbacks+=tests.callbacks.NaNOutputAtStep",
+           "--trainer.callbacks.init_args.step", "1"]
+    sharded = _fit("classify", tmp_path, "fsdp", "fsdp", *nan)
+    _fit("classify", tmp_path, "ddp", "ddp", *nan)
+    assert "step skipped (2 so far)" in sharded.stderr
+    fsdp, ddp = _last(tmp_path, "fsdp"), _last(tmp_path, "ddp")
+    _assert_same_state(fsdp, ddp, atol=1e-6)
+    assert all(torch.isfinite(v).all() for v in fsdp["state_dict"].values() if v.is_floating_point())
+    assert float(fsdp["optimizer_states"][0]["state"][0]["step"]) == 1  # only step 0 updated
