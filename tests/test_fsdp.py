@@ -1,8 +1,8 @@
 """Sharded training, ``--trainer.strategy fsdp`` (tasks/cli/sharding.py: FSDP2 through Lightning's
 ModelParallelStrategy), on the real tasks.
 
-Quick: the flag and a recipe value build the strategy; what cannot run is refused in one line before
-anything is built; the sharding plan on a real task (one rank); the optimizer-state numbering against
+Quick: the flag and a recipe value build the strategy; what cannot run is refused before anything is built
+(through the command: one line, no traceback; slow); the sharding plan on a real task (one rank); the optimizer-state numbering against
 ``torch.optim.Optimizer.state_dict``'s own. Slow (two gloo processes on CPU, about a minute a run here):
 classification and translation fitted sharded equal DDP, a run killed mid-epoch resumes to the uninterrupted
 run's weights and optimizer state exactly, and ``test --ckpt_path`` of the resumed checkpoint scores as DDP
@@ -82,6 +82,7 @@ def test_lightnings_fsdp1_is_refused_for_fsdp2(name, tmp_path, monkeypatch):
         _cli(*TWO_RANKS, "--trainer.strategy", name)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and Lightning: about 25 s here
 def test_the_command_refuses_in_one_line_without_a_traceback(run_cli):
     proc = run_cli("classify", "fit", *TINY["classify"], *TWO_RANKS, "--trainer.strategy", "fsdp",
                    "--trainer.precision", "16-mixed", check=False)
