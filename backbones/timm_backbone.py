@@ -36,10 +36,6 @@ from backbones.base import Backbone
 from backbones.registry import register_backbone
 from backbones.weights import read_weights_file, register_converter, state_dict_in
 
-#: a name that no group_matcher pattern matches: the group it lands in holds timm's unmatched (head) parameters
-_UNMATCHED = "\0unmatched"
-
-
 class TimmRefusal(ValueError):
     """An architecture that cannot do what was asked (a task, an output stride); the message names it and why."""
 
@@ -106,7 +102,8 @@ class Timm(Backbone):
         self.output_stride = output_stride
         self.num_features = int(getattr(self.model, "head_hidden_size", None) or self.model.num_features)
         self._fixed_input_size = fixed and not kwargs.get("dynamic_img_size")
-        self._built_size = tuple(getattr(getattr(self.model, "patch_embed", None), "img_size", None) or ()) or None
+        built = img_size if img_size is not None else getattr(default_cfg, "input_size", (3, 224, 224))[-1]
+        self._built_size = tuple(built) if isinstance(built, (list, tuple)) else (built, built)
         self.fixed_size_reason = (f"timm's {name} marks itself fixed_input_size (position embeddings of one grid; "
                                   f"built for {getattr(self.model, 'img_size', img_size)})")
         self._describe_features()
@@ -279,23 +276,27 @@ class Timm(Backbone):
 
     def layer_order(self, name: str) -> tuple[int, ...] | None:
         """timm's layer id of parameter ``model.<key>`` under ``group_matcher(coarse=False)`` (what its
-        ``param_groups_layer_decay`` uses); ``None`` (the head's layer) for what the matcher leaves unmatched."""
-        layers = self._layer_map()
+        ``param_groups_layer_decay`` uses); ``None`` (the head's layer) for what the matcher leaves unmatched,
+        which timm puts in the classifier's layer."""
         key = name[len("model."):] if name.startswith("model.") else name
-        if key not in layers or layers[key] == layers[_UNMATCHED]:
+        if not self._matched(key):
             return None
+        layers = self.__dict__.get("_layers")
+        if layers is None:
+            from timm.models import group_parameters
+
+            layers = self.__dict__["_layers"] = group_parameters(self.model, self._group_matcher(), reverse=True)
         return (layers[key],)
 
-    def _layer_map(self) -> dict[str, int]:
-        cached = self.__dict__.get("_layers")
-        if cached is None:
-            from timm.models import group_with_matcher
-
-            matcher = self._group_matcher()
-            names = [(n, None) for n, _ in self.model.named_parameters()] + [(_UNMATCHED, None)]
-            cached = group_with_matcher(names, matcher, reverse=True) if matcher is not None else {_UNMATCHED: 0}
-            self.__dict__["_layers"] = cached
-        return cached
+    def _matched(self, key: str) -> bool:
+        matcher = self._group_matcher()
+        if matcher is None:
+            return False
+        if not isinstance(matcher, dict):  # a function gives every parameter an ordinal
+            return True
+        specs = [spec for spec in matcher.values() if spec is not None]
+        patterns = [p for spec in specs for p in ([s[0] for s in spec] if isinstance(spec, (list, tuple)) else [spec])]
+        return any(re.match(pattern, key) for pattern in patterns)
 
 
 def _timm_keys(state_dict, backbone: nn.Module):

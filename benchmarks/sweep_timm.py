@@ -1,0 +1,217 @@
+"""Every timm family in every vision task: one training step, a test forward and ONNX parity per architecture.
+
+For each architecture (default: the smallest of every family, ``timm.list_models()`` grouped by the module of
+``timm.models`` that defines it, sized by parameters counted on the meta device) and each task, on CPU at
+``--size`` px with random weights (``pretrained=None``: nothing is downloaded):
+
+- classify: :class:`tasks.classify.ClassificationTask`; detect: :class:`tasks.detect.DetectionTask` (SSDLite at
+  the backbone's strides from 8 up, extra levels to 64); segment: :class:`tasks.segment.SegmentationTask`
+  (DeepLabv3 on the deepest map), each over :class:`backbones.Timm`;
+- one training step: the task's ``training_loss`` on a synthetic batch, backward, an SGD step;
+- a ``test``-equivalent forward in eval mode (``task(images)``, ``task.detect(images)``);
+- ONNX export and parity through the suite's exporters (:mod:`tasks.export`), as ``export`` runs them.
+
+Each cell is ``pass``, ``refused`` (the suite refuses by name: :class:`backbones.timm_backbone.TimmRefusal` or a
+``ValueError`` naming the architecture) or ``failed`` (anything else, with its first line). A markdown table
+goes to ``--out``, one row per architecture, the counts first.
+
+    python benchmarks/sweep_timm.py --out benchmarks/results_timm.md             # every family (long)
+    python benchmarks/sweep_timm.py --models convnext_atto resnet10t --out -      # chosen ones, to stdout
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TASKS = ("classify", "detect", "segment")
+NUM_CLASSES = 3
+
+
+class CellTimeout(Exception):
+    pass
+
+
+def smallest_per_family(per_family: int = 1) -> list[str]:
+    """The ``per_family`` smallest architectures (parameters counted on the meta device) of every module of
+    ``timm.models``; an architecture that cannot be built on the meta device counts as the largest."""
+    import timm
+    from timm.models._registry import _model_to_module
+
+    families: dict[str, list[tuple[float, str]]] = defaultdict(list)
+    for name in timm.list_models():
+        try:
+            with torch.device("meta"):
+                count = sum(p.numel() for p in timm.create_model(name, num_classes=0).parameters())
+        except Exception:  # noqa: BLE001 - sized later, by the cell's own build
+            count = float("inf")
+        families[_model_to_module[name]].append((count, name))
+    return [name for family in sorted(families) for _, name in sorted(families[family])[:per_family]]
+
+
+def build_task(task: str, name: str, size: int):
+    from functools import partial
+
+    from backbones import Timm
+
+    backbone = Timm(name, img_size=size)
+    if task == "classify":
+        from tasks.classify import ClassificationTask
+
+        return ClassificationTask(backbone, class_names=[f"c{i}" for i in range(NUM_CLASSES)])
+    if task == "detect":
+        from heads.ssdlite import SSDLiteHead
+        from tasks.detect import DetectionTask
+
+        strides = [s for s in backbone.feature_channels if s >= 8]
+        if not strides:
+            raise ValueError(f"timm's {name} gives no map at stride 8 or deeper: SSDLite has no level to read")
+        levels = list(strides)
+        while levels[-1] < 64:  # extra levels to stride 64, a 1x1 map at 64 px
+            levels.append(levels[-1] * 2)
+        head = partial(SSDLiteHead, output_strides=levels, proj_channels=[16] * len(levels),
+                       aspect_ratios=[[2]] * len(levels), min_scale=0.2, max_scale=0.9)
+        return DetectionTask(backbone, num_classes=NUM_CLASSES, head=head)
+    from heads.deeplabv3 import DeepLabV3
+    from tasks.segment import SegmentationTask
+
+    head = partial(DeepLabV3, channels=16, atrous_rates=(1, 2, 3))
+    return SegmentationTask(backbone, class_names=[f"c{i}" for i in range(NUM_CLASSES)], head=head)
+
+
+def synthetic_batch(task: str, size: int, batch: int = 2) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(batch, 3, size, size, generator=generator)
+    if task == "classify":
+        return {"image": images, "target": torch.arange(batch) % NUM_CLASSES}
+    if task == "detect":
+        box = torch.tensor([[size * 0.2, size * 0.2, size * 0.7, size * 0.8]])
+        return {"image": images, "targets": [{"boxes": box, "labels": torch.tensor([i % NUM_CLASSES])}
+                                              for i in range(batch)]}
+    mask = torch.randint(0, NUM_CLASSES, (batch, size, size), generator=generator)
+    return {"image": images, "mask": mask}
+
+
+def export_parity(task: str, model, size: int, folder: Path) -> list[str]:
+    """The exporter's failed checks (empty: parity holds)."""
+    import importlib
+
+    from backbones.pretrained import IMAGENET_MEAN, IMAGENET_STD
+    from datamodules.input_spec import InputSpec
+    from tasks.export.onnx import ExportRequest
+
+    spec = {"classify": lambda: InputSpec.center_crop(size, size, IMAGENET_MEAN, IMAGENET_STD),
+            "detect": lambda: InputSpec.square(size, IMAGENET_MEAN, IMAGENET_STD),
+            "segment": lambda: InputSpec.short_side(None, size, IMAGENET_MEAN, IMAGENET_STD)}[task]()
+    module = {"classify": "classification", "detect": "detection", "segment": "segmentation"}[task]
+    exporter = importlib.import_module(f"tasks.export.{module}")
+    report = exporter.export(ExportRequest(model, spec, spec, folder / f"{task}.onnx", 18, {}))
+    return [str(check) for check in report.checks if not check.ok]
+
+
+def run_cell(task: str, name: str, size: int, onnx: bool = True) -> tuple[str, str]:
+    """("pass" | "refused" | "failed", why); without ``onnx`` the export is skipped (said in why)."""
+    from backbones.timm_backbone import TimmRefusal
+
+    torch.manual_seed(0)
+    try:
+        model = build_task(task, name, size)
+        model.train()
+        loss = model.training_loss(synthetic_batch(task, size), 0)
+        if not torch.isfinite(loss):
+            return "failed", f"training loss {loss.item()}"
+        loss.backward()
+        torch.optim.SGD(model.parameters(), lr=1e-3).step()
+        model.eval()
+        images = synthetic_batch(task, size)["image"]
+        with torch.no_grad():
+            model.detect(images) if task == "detect" else model(images)
+        if not onnx:
+            return "pass", "ONNX not run"
+        with tempfile.TemporaryDirectory() as folder:
+            failed = export_parity(task, model, size, Path(folder))
+        return ("failed", "ONNX parity: " + "; ".join(failed)) if failed else ("pass", "")
+    except TimmRefusal as err:
+        return "refused", str(err)
+    except CellTimeout:
+        return "failed", "timed out"
+    except Exception as err:  # noqa: BLE001 - the table records it
+        line = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        if isinstance(err, ValueError) and name in str(err):
+            return "refused", line
+        where = traceback.extract_tb(err.__traceback__)[-1]
+        return "failed", f"{line} ({Path(where.filename).name}:{where.lineno})"
+
+
+def _alarm(signum, frame):
+    raise CellTimeout()
+
+
+def sweep(models: list[str], size: int, timeout: int, out, onnx: str = "all", progress=sys.stderr) -> dict:
+    """Run every cell; ``onnx``: export and compare in ``"all"`` tasks, only ``"classify"``, or ``"none"``."""
+    from backbones.timm_backbone import timm_family
+
+    rows, counts = [], {task: defaultdict(int) for task in TASKS}
+    signal.signal(signal.SIGALRM, _alarm)
+    warnings.filterwarnings("ignore")  # self.log outside a Trainer, timm's deprecation notes: not results
+    for i, name in enumerate(models):
+        cells = []
+        for task in TASKS:
+            start = time.time()
+            signal.alarm(timeout)
+            try:
+                verdict, why = run_cell(task, name, size, onnx == "all" or onnx == task)
+            except CellTimeout:
+                verdict, why = "failed", "timed out"
+            finally:
+                signal.alarm(0)
+            counts[task][verdict] += 1
+            cells.append(f"{verdict}" + (f": {why}" if why else ""))
+            print(f"[{i + 1}/{len(models)}] {name} {task}: {verdict} {why[:160]} ({time.time() - start:.1f} s)",
+                  file=progress, flush=True)
+        rows.append(f"| {name} | {timm_family(name)} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+        write_table(rows, counts, size, out)
+    return counts
+
+
+def write_table(rows: list[str], counts: dict, size: int, out) -> None:
+    lines = [f"# timm architectures in every task ({len(rows)} architectures, {size} px, CPU, random weights)", "",
+             "| task | pass | refused | failed |", "| --- | --- | --- | --- |"]
+    lines += [f"| {task} | {c['pass']} | {c['refused']} | {c['failed']} |" for task, c in counts.items()]
+    lines += ["", "| architecture | family | classify | detect | segment |", "| --- | --- | --- | --- | --- |", *rows]
+    text = "\n".join(lines) + "\n"
+    if out == "-":
+        print(text)
+    else:
+        Path(out).write_text(text)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", help="architectures (default: the smallest of each family)")
+    parser.add_argument("--per-family", type=int, default=1, help="how many of each family, smallest first")
+    parser.add_argument("--size", type=int, default=64, help="input side in pixels")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per cell before it counts as failed")
+    parser.add_argument("--onnx", default="all", choices=["all", "none", *TASKS],
+                        help="the tasks whose ONNX export and parity run (the export takes ~30 s a cell on 2 cores)")
+    parser.add_argument("--out", default="benchmarks/results_timm.md", help="markdown table, or - for stdout")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    models = args.models or smallest_per_family(args.per_family)
+    print(f"{len(models)} architectures", file=sys.stderr, flush=True)
+    counts = sweep(models, args.size, args.timeout, args.out, args.onnx)
+    print({task: dict(c) for task, c in counts.items()}, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
