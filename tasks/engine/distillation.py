@@ -24,10 +24,10 @@ on the student's device, in the student's parameter dtype, inside the same autoc
 student's forward (Lightning's precision context around ``training_step``). Its weights come from:
 
 - a checkpoint of this suite (``runs/.../best.ckpt``) of the same task, trained on the same classes;
-- registered weights (:mod:`backbones.pretrained`, e.g. ``mobilevitv2_200.cvnets_in1k``), read from
-  the entry's file (classification);
+- registered weights (:mod:`backbones.pretrained`, e.g. ``mobilevitv2_200.cvnets_in1k``), found as
+  :func:`backbones.weights.load_pretrained` finds a backbone's (classification);
 - ``timm:<model name>``: ``timm.create_model`` with the weights of ``teacher_file`` or timm's local
-  cache (classification). Nothing is downloaded at run time.
+  cache (classification); this path downloads nothing.
 
 Images reach the teacher normalised as the student's data are; a teacher trained on another mean and
 std gets them re-normalised, ``(x * std_s + mean_s - mean_t) / std_t`` (timm's
