@@ -21,6 +21,7 @@ goes to ``--out``, one row per architecture, the counts first.
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
 import tempfile
@@ -42,21 +43,52 @@ class CellTimeout(Exception):
     pass
 
 
-def smallest_per_family(per_family: int = 1) -> list[str]:
+#: name parts of large variants, skipped when sizing a family that has others (building each on the meta device
+#: costs seconds on 2 cores; 1,300 of them take longer than the sweep)
+LARGE = re.compile(r"(large|huge|giant|gigantic|xlarge|enormous|big|base|medium|_l\d|_h\d|_g\d|_b\d|_l_|_h_|_g_|_b_"
+                   r"|_m_|_l$|_b$|_h$|_g$|_m$|384|448|512|518|336|\d{3}m|_xl)")
+
+
+SMALL_WORDS = ("test", "atto", "zepto", "femto", "pico", "nano", "xxs", "micro", "tiny", "mini", "xs", "small", "_s")
+
+
+def _smallness(name: str) -> tuple[int, int]:
+    """A first guess at how small ``name`` is, by the size words timm's names use, then the name's length."""
+    rank = next((i for i, word in enumerate(SMALL_WORDS) if word in name), len(SMALL_WORDS))
+    return rank, len(name)
+
+
+def smallest_per_family(per_family: int = 1, seconds: int = 3, candidates_per_family: int = 4) -> list[str]:
     """The ``per_family`` smallest architectures (parameters counted on the meta device) of every module of
-    ``timm.models``; an architecture that cannot be built on the meta device counts as the largest."""
+    ``timm.models``, among the ``candidates_per_family`` of its variants that :func:`_smallness` ranks first (not
+    named large); an architecture that cannot be built on the meta device within ``seconds`` counts as the
+    largest."""
     import timm
     from timm.models._registry import _model_to_module
 
-    families: dict[str, list[tuple[float, str]]] = defaultdict(list)
+    names: dict[str, list[str]] = defaultdict(list)
     for name in timm.list_models():
-        try:
-            with torch.device("meta"):
-                count = sum(p.numel() for p in timm.create_model(name, num_classes=0).parameters())
-        except Exception:  # noqa: BLE001 - sized later, by the cell's own build
-            count = float("inf")
-        families[_model_to_module[name]].append((count, name))
-    return [name for family in sorted(families) for _, name in sorted(families[family])[:per_family]]
+        names[_model_to_module[name]].append(name)
+    chosen = []
+    signal.signal(signal.SIGALRM, _alarm)
+    for family in sorted(names):
+        candidates = [n for n in names[family] if not LARGE.search(n)] or names[family]
+        candidates = sorted(candidates, key=_smallness)[:candidates_per_family]
+        sized = []
+        for name in candidates:
+            signal.alarm(seconds)
+            try:
+                with torch.device("meta"), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    count = sum(p.numel() for p in timm.create_model(name, num_classes=0).parameters())
+            except (Exception, CellTimeout):  # noqa: BLE001 - sized as the largest; its cells say why
+                count = float("inf")
+            finally:
+                signal.alarm(0)
+            sized.append((count, name))
+        chosen += [name for _, name in sorted(sized)[:per_family]]
+        print(f"{family}: {', '.join(chosen[-per_family:])} (of {len(names[family])})", file=sys.stderr, flush=True)
+    return chosen
 
 
 def build_task(task: str, name: str, size: int):

@@ -80,6 +80,27 @@ def test_repeated_blocks_are_the_blocks_timm_numbers():
     assert [type(b).__name__ for _, b in repeated_blocks(Timm("resnet10t"))] == ["BasicBlock"] * 4
 
 
+def test_channels_last_and_checkpointed_blocks_give_the_same_maps_and_gradients():
+    """The task's ``channels_last`` (module and input in NHWC) and ``activation_checkpointing`` (each of timm's
+    blocks recomputed in backward) change no value: ConvNeXt-atto's maps and every gradient equal the plain run."""
+    import copy
+
+    from layers.checkpointing import checkpoint_networks
+
+    plain = Timm("convnext_atto", drop_path_rate=0.0).train()
+    other = copy.deepcopy(plain).to(memory_format=torch.channels_last)
+    assert "ConvNeXtBlock" in checkpoint_networks([other])
+    x = torch.randn(2, 3, SIZE, SIZE)
+    losses = [sum(m.sum() for m in net(inp).values())
+              for net, inp in ((plain, x), (other, x.contiguous(memory_format=torch.channels_last)))]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-3)
+    for (name, p), q in zip(plain.named_parameters(), other.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("name", ["convnext_atto", "mobilenetv3_small_050", "resnet10t", "vit_tiny_patch16_224"])
 def test_layer_decay_equals_timms_param_groups(name):
     """Each parameter's lr scale and weight decay in the suite's layer-decay groups equal timm's
