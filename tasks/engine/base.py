@@ -286,6 +286,10 @@ class TaskModule(LightningModule):
         self.nonfinite_guard.resolve(self, wait=True, log=False)  # a run that must stop writes no checkpoint
         # resuming mid-epoch replays dropout and augmentation draws exactly only with the RNG states
         checkpoint["rng_states"] = rng_states()
+        if self.trainer.world_size > 1:
+            # every rank's: ranks whose batches differ in shape (translation's token batches) draw different
+            # numbers of dropout values, so rank 0's states are not the others' (collective: every rank saves)
+            checkpoint["rng_states_per_rank"] = self.all_gather_objects([checkpoint["rng_states"]])
         checkpoint["suite_task"] = qualified_name(type(self))
         checkpoint["hyper_parameters"] = without_start_weights(checkpoint.get("hyper_parameters", {}))
         group = getattr(self, "wandb_group", None)
@@ -294,7 +298,10 @@ class TaskModule(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "rng_states" in checkpoint and self.fitting():
-            set_rng_states(checkpoint["rng_states"])
+            per_rank = checkpoint.get("rng_states_per_rank") or []
+            # as many ranks as wrote it: each its own states; another number: rank 0's, as before
+            same_ranks = len(per_rank) == self.trainer.world_size
+            set_rng_states(per_rank[self.trainer.global_rank] if same_ranks else checkpoint["rng_states"])
         refuse_checkpoint_of_other_data(self, checkpoint)
         self.nonfinite_guard.reset_counts()
 
