@@ -36,6 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TASKS = ("classify", "detect", "segment")
+#: the architectures the README and the tests name, swept beside each family's smallest
+NAMED = ("convnext_atto", "efficientnet_b0", "mobilenetv4_conv_small", "mobilenetv3_small_050", "resnet10t",
+         "vit_tiny_patch16_224")
 NUM_CLASSES = 3
 
 
@@ -159,6 +162,7 @@ def run_cell(task: str, name: str, size: int, onnx: bool = True) -> tuple[str, s
     try:
         model = build_task(task, name, size)
         model.train()
+        torch.set_grad_enabled(True)  # a cell cut short by its alarm inside a no_grad block leaves grad off
         loss = model.training_loss(synthetic_batch(task, size), 0)
         if not torch.isfinite(loss):
             return "failed", f"training loss {loss.item()}"
@@ -181,7 +185,9 @@ def run_cell(task: str, name: str, size: int, onnx: bool = True) -> tuple[str, s
         line = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         if isinstance(err, ValueError) and name in str(err):
             return "refused", line
-        where = traceback.extract_tb(err.__traceback__)[-1]
+        frames = traceback.extract_tb(err.__traceback__)
+        # where it broke: the deepest frame outside torch (timm's or the suite's code), not torch._assert's
+        where = next((f for f in reversed(frames) if "/torch/" not in f.filename), frames[-1])
         return "failed", f"{line} ({Path(where.filename).name}:{where.lineno})"
 
 
@@ -239,7 +245,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="benchmarks/results_timm.md", help="markdown table, or - for stdout")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    models = args.models or smallest_per_family(args.per_family)
+    if not args.models:
+        smallest = smallest_per_family(args.per_family)
+        args.models = smallest + [name for name in NAMED if name not in smallest]
+    models = args.models
     print(f"{len(models)} architectures", file=sys.stderr, flush=True)
     counts = sweep(models, args.size, args.timeout, args.out, args.onnx)
     print({task: dict(c) for task, c in counts.items()}, file=sys.stderr)
