@@ -13,6 +13,7 @@ import pytest
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("SUITE_OFFLINE", "1")  # registered weights are never downloaded by a test (test_weights_download.py)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,8 +31,11 @@ def clean_env(**extra: str) -> dict[str, str]:
     in-process launch leaves MASTER_PORT & co behind), network-free defaults set."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
-                        "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS")}
+                        "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS",
+                        # an in-process CLI run's thread plan: a subprocess must make its own
+                        "SUITE_PLANNED_THREADS", "PL_SEED_WORKERS")}
     env.update({"WANDB_MODE": "offline", "NO_ALBUMENTATIONS_UPDATE": "1", "WANDB_SILENT": "true",
+                "SUITE_OFFLINE": env.get("SUITE_OFFLINE", "1"),
                 "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2")})
     env.update(extra)
     return env

@@ -308,4 +308,4 @@ def test_a_missing_start_checkpoint_stops_with_how_to_make_one(tmp_path):
     with pytest.raises(FileNotFoundError) as error:
         ClassificationTask(MobileViTv2(width=0.5), class_names=["a", "b"], weights=str(missing))
     message = str(error.value)
-    assert str(missing) in message and "model.weights" in message and "CVNets" in message
+    assert str(missing) in message and "model.weights" in message and "backbones/pretrained.py" in message
