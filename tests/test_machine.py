@@ -140,6 +140,9 @@ def test_other_load_counts_another_process_and_not_this_one():
     load = machine.OtherLoad()
     if not load.available:
         pytest.skip("no /proc/stat")
+    time.sleep(1.0)
+    if load.sample() > 0.3:  # the assertions below read other processes' load: they need a quiet machine
+        pytest.skip("other processes keep this machine busy")
     end = time.monotonic() + 1.0
     while time.monotonic() < end:  # this process's own work is not another's
         pass
