@@ -8,6 +8,7 @@ import warnings
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
@@ -286,7 +287,7 @@ class TaskModule(LightningModule):
         self.nonfinite_guard.resolve(self, wait=True, log=False)  # a run that must stop writes no checkpoint
         # resuming mid-epoch replays dropout and augmentation draws exactly only with the RNG states
         checkpoint["rng_states"] = rng_states()
-        if self.trainer.world_size > 1:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # every rank's: ranks whose batches differ in shape (translation's token batches) draw different
             # numbers of dropout values, so rank 0's states are not the others' (collective: every rank saves)
             checkpoint["rng_states_per_rank"] = self.all_gather_objects([checkpoint["rng_states"]])
