@@ -160,6 +160,8 @@ def preprocessing_in(checkpoint: Mapping) -> Preprocessing | None:
     # CONVERTERS is complete here: importing this module ran backbones/__init__.py, which imports every family
     state_dict = state_dict_in(checkpoint)
     naming = {tuple(key.split("/")) for key, (detect, _) in CONVERTERS.items() if detect(state_dict)}
+    # the Timm backbone's naming fits any timm file, so it tells nothing where a family's own naming fits too
+    naming = {n for n in naming if n[0] != "timm"} or naming
     known = {entry.preprocessing for _, entry in PRETRAINED.items() if (entry.backbone, entry.converter) in naming}
     if len(known) == 1:
         return known.pop()
