@@ -76,8 +76,11 @@ class Timm(Backbone):
     def __init__(self, name: str, pretrained: str | None = None, output_stride: int = 32, in_chans: int = 3,
                  drop_path_rate: float = 0.0, img_size: int | None = None, features_only: bool = False):
         super().__init__()
-        import timm
-        import timm.models
+        try:
+            import timm
+            import timm.models
+        except ImportError as err:
+            raise ImportError("backbones.Timm needs timm: pip install -e '.[timm]'") from err
 
         self.family = timm_family(name)
         self.name = name
