@@ -339,3 +339,14 @@ def test_the_sweep_refuses_by_name_and_never_raises(monkeypatch):
     monkeypatch.setattr(sweep_timm, "build_task", lambda *a: nn.Identity())
     verdict, why = sweep_timm.run_cell("detect", "somenet", SIZE)
     assert verdict == "failed" and why.startswith("AttributeError")
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_an_architecture_in_one_line(tmp_path):
+    """A refusal by name reaches a command-line user as one ``error:`` line and exit code 1, no traceback."""
+    from tests.conftest import run_task
+
+    proc = run_task("segment", "fit", "--model.backbone", "Timm", "--model.backbone.name", "mobilenetv3_small_050",
+                    "--model.backbone.output_stride", "8", "--trainer.max_steps", "1", cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: timm's mobilenetv3_small_050")

@@ -57,6 +57,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
 from backbones.download import WeightsUnavailable
+from backbones.timm_backbone import TimmRefusal
 from configs.recipes import EXPORT, CommandLine, import_class, merge, recipe_keys, resolve_recipes, split_command_line
 from configs.tasks import TaskDeclaration, task_declaration
 from layers.machine import AUTO, apply_cpu_plan, machine_cores, plan_cpu
@@ -95,7 +96,9 @@ def main(task: str, args: Sequence[str] | CommandLine | None = None, *, run: boo
         return run_export(command, import_class(declaration.module), prog=f"python -m tasks.{task} {EXPORT}")
     try:
         return SuiteCLI(declaration, command, run=run, exit_on_error=exit_on_error)
-    except WeightsUnavailable as err:  # registered weights neither here nor downloadable: one line, no traceback
+    # registered weights neither here nor downloadable, a timm architecture that cannot do what was asked:
+    # one line, no traceback
+    except (WeightsUnavailable, TimmRefusal) as err:
         if not exit_on_error:  # tasks.run and Python callers get the exception
             raise
         sys.exit(f"error: {err}")
