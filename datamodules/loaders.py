@@ -168,13 +168,7 @@ def make_loader(dataset: Dataset, *, batch_size: int, num_workers: NumWorkers, t
         return streaming_loader(dataset, batch_size=batch_size, num_workers=num_workers, train=train,
                                 pin_memory=pin_memory, persistent_workers=persistent_workers,
                                 prefetch_factor=prefetch_factor, collate_fn=collate_fn, trainer=trainer, seed=seed)
-    extra = {}
-    if num_workers > 0:
-        # evaluation workers idle through every training epoch: forking them anew per validation costs
-        # a fraction of a second, keeping them costs their memory for the whole fit
-        extra["persistent_workers"] = persistent_workers and train
-        if prefetch_factor is not None:
-            extra["prefetch_factor"] = prefetch_factor
+    extra = worker_options(num_workers, persistent_workers, prefetch_factor, train)
     drop_last = train and len(dataset) > batch_size
     if repeats > 1:
         sampler = RepeatedAugmentationSampler(dataset, batch_size, repeats, seed=seed)
@@ -190,6 +184,18 @@ def make_loader(dataset: Dataset, *, batch_size: int, num_workers: NumWorkers, t
     return loader_class(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, num_workers=num_workers,
                         pin_memory=pin_memory and torch.cuda.is_available(), collate_fn=collate_fn,
                         generator=torch.Generator().manual_seed(seed), **extra)
+
+
+def worker_options(num_workers: int, persistent_workers: bool, prefetch_factor: int | None, train: bool) -> dict:
+    """The DataLoader arguments that only apply with worker processes."""
+    extra = {}
+    if num_workers > 0:
+        # evaluation workers idle through every training epoch: forking them anew per validation costs
+        # a fraction of a second, keeping them costs their memory for the whole fit
+        extra["persistent_workers"] = persistent_workers and train
+        if prefetch_factor is not None:
+            extra["prefetch_factor"] = prefetch_factor
+    return extra
 
 
 class SplitLoaders:

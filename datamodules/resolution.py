@@ -44,7 +44,7 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 from datamodules.resumable import EpochOrder, run_seeded, sample_seed, world
-from datamodules.loaders import SuiteTrainLoader
+from datamodules.loaders import SuiteTrainLoader, worker_options
 from layers.machine import NumWorkers, loader_workers
 
 #: (height, width, batch size) of one entry of a resolution table
@@ -286,11 +286,7 @@ def resolution_loader(dataset: Dataset, make_transform: Callable[[tuple[int, int
     num_workers = loader_workers(num_workers)
     sampler = ResolutionSampler(dataset, plan, base_batch, seed=seed)
     batches = BatchesAtResolution(AtSize(dataset, make_transform), collate_fn, len(dataset))
-    extra = {}
-    if num_workers > 0:
-        extra["persistent_workers"] = persistent_workers
-        if prefetch_factor is not None:
-            extra["prefetch_factor"] = prefetch_factor
+    extra = worker_options(num_workers, persistent_workers, prefetch_factor, train=True)
     # batch_size=None: the sampler's items are whole batches, collated in BatchesAtResolution
     return ResolutionTrainLoader(batches, batch_size=None, sampler=sampler, num_workers=num_workers,
                                  pin_memory=pin_memory and torch.cuda.is_available(), collate_fn=_whole_batch,
