@@ -39,6 +39,9 @@ PRIVATE_NAMES = [
     ("torchmetrics", "Metric._sync_dist",
      "layers.compat.GathersOwnStates overrides it: the COCO and VOC mAP metrics gather states that differ in "
      "length between ranks themselves"),
+    ("lightning.pytorch.callbacks", "WeightAveraging._average_model",
+     "layers.compat.weight_averaging_model: tasks.engine.ema gives Lightning's EMAWeightAveraging an average updated "
+     "with foreach kernels and a host counter; the callback builds its AveragedModel in setup with no public hook"),
     ("torch.nn.modules.batchnorm", "_BatchNorm",
      "layers.compat.is_batchnorm: which layers normalise with the batch's statistics while training"),
 ]
@@ -127,6 +130,20 @@ def skip_update_on_device(optimizer: torch.optim.Optimizer, skip: torch.Tensor |
         vars(optimizer).pop("found_inf", None)
         return
     optimizer.found_inf = skip.float()
+
+
+def weight_averaging_model(callback):
+    """The ``AveragedModel`` a Lightning ``WeightAveraging`` callback built in its ``setup`` (``None`` before, or
+    outside ``fit``). Lightning keeps it in this attribute only; its checkpoint, validation-swap and resume hooks
+    read it from there."""
+    return getattr(callback, "_average_model", None)
+
+
+def set_weight_averaging_model(callback, averaged) -> None:
+    """Replace the average of a Lightning ``WeightAveraging`` callback (see :func:`weight_averaging_model`);
+    Lightning builds it inside ``setup`` and takes no factory for it (its ``AveragedModel`` keyword arguments
+    cannot change how ``update_parameters`` reads the device counter)."""
+    callback._average_model = averaged
 
 
 def is_batchnorm(module) -> bool:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
@@ -22,6 +23,7 @@ from tasks.engine.data_checks import (data_identity_mismatches, refuse_checkpoin
                                       refuse_single_image_batchnorm)
 from tasks.engine.compile_report import CompileReport
 from tasks.engine.cost import model_cost, move_to
+from tasks.engine.ema import use_foreach_ema
 from tasks.engine.nonfinite import NonFiniteGuard
 from tasks.engine.optim import build_optimizer
 from tasks.outputs.common import MetricsJson, PredictWriter, TestTables, gather, predict_dir
@@ -57,6 +59,8 @@ class TaskModule(LightningModule):
       the device, so a training step never makes the host wait for the GPU (:meth:`guard_loss`).
     - Evaluation losses are sample-weighted means over the whole split (:meth:`log_eval_loss`),
       so the logged and written numbers are the same under 1 and N processes.
+    - A Lightning ``EMAWeightAveraging`` (the paper recipes' EMA) averages with foreach kernels and
+      never makes the host read its counter (:mod:`tasks.engine.ema`, swapped in by :meth:`setup`).
     - A checkpoint evaluated on a dataset whose classes / category ids / vocabulary differ from
       the ones it was trained on is refused (:meth:`check_data_identity`).
 
@@ -128,6 +132,10 @@ class TaskModule(LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None and self.example_input_array is None:
             self.example_input_array = self.example_input(datamodule)
+        if stage == "fit":  # after the callbacks' setup, which built their averages, before any checkpoint loads
+            for callback in self.trainer.callbacks:
+                if isinstance(callback, WeightAveraging):
+                    use_foreach_ema(callback)
 
     def model_cost(self) -> dict[str, float]:
         """``params`` and, at the example input's size, ``gflops`` and ``gmacs`` (see :mod:`tasks.engine.cost`)."""
