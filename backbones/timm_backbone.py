@@ -40,6 +40,21 @@ class TimmRefusal(ValueError):
     """An architecture that cannot do what was asked (a task, an output stride); the message names it and why."""
 
 
+class InputSizeRefusal(TimmRefusal):
+    """An input size the architecture's own code rejects (a kernel larger than a valid-padded map, a grid its
+    attention windows or fixed position tables do not divide); ``size``: a side it takes (the smallest its
+    ``pretrained_cfg`` records, else the one it was made for)."""
+
+    def __init__(self, message: str, size: int):
+        super().__init__(message)
+        self.size = size
+
+
+#: the messages torch gives when a timm network meets a map of a size it cannot take (besides timm's own asserts)
+_SIZE_ERRORS = re.compile(r"Kernel size can't be greater|must match the size of tensor|divisible|"
+                          r"is invalid for input of size|Input (height|width|image size)")
+
+
 def timm_family(name: str) -> str:
     """The module of ``timm.models`` that defines architecture ``name`` (``convnext``, ``efficientnet``)."""
     import timm.models
@@ -258,7 +273,7 @@ class Timm(Backbone):
         """(B, in_chans, H, W) -> ``{stride: (B, C_s, H/s, W/s)}`` (see ``feature_channels``)."""
         self.check_input(x)
         channels = self.feature_channels  # refuses architectures without feature maps
-        maps = self.model.forward_intermediates(x, indices=self._indices, intermediates_only=True)
+        maps = self._run(self.model.forward_intermediates, x, indices=self._indices, intermediates_only=True)
         if len(maps) != len(self._strides):
             raise TimmRefusal(f"timm's {self.name} ({self.family}) gave {len(maps)} maps for feature_info indices "
                               f"{self._indices}: its forward_intermediates does not index feature_info")
@@ -275,7 +290,28 @@ class Timm(Backbone):
         self.check_input(x)
         if self.features_only:
             return super().forward_pooled(x)
-        return self.model(x)
+        return self._run(self.model, x)
+
+    def _run(self, call, x: torch.Tensor, **kwargs):
+        """``call(x, **kwargs)``, with an input size timm's network rejects raised as :class:`InputSizeRefusal`
+        naming the architecture, the size and the size it was made for (its ``pretrained_cfg``), not as an
+        error from deep inside timm."""
+        if torch.compiler.is_compiling():
+            return call(x, **kwargs)
+        try:
+            return call(x, **kwargs)
+        except (AssertionError, RuntimeError) as err:
+            if isinstance(err, RuntimeError) and not _SIZE_ERRORS.search(str(err)):
+                raise
+            cfg = getattr(self.model, "pretrained_cfg", None) or {}
+            made = int((cfg.get("input_size") or (3, 224, 224))[-1])
+            smallest = cfg.get("min_input_size")
+            at_least = f", at least {smallest[-1]}" if smallest else ""
+            detail = f"{type(err).__name__}: {str(err).splitlines()[0]}" if str(err) else type(err).__name__
+            raise InputSizeRefusal(
+                f"timm's {self.name} ({self.family}) cannot take {x.shape[-2]}x{x.shape[-1]} inputs ({detail}); it "
+                f"was made for {made}x{made}{at_least}: set data.image_size (segmentation: data.crop_size)",
+                int(smallest[-1]) if smallest else made) from err
 
     def layer_order(self, name: str) -> tuple[int, ...] | None:
         """timm's layer id of parameter ``model.<key>`` under ``group_matcher(coarse=False)`` (what its

@@ -155,8 +155,9 @@ def export_parity(task: str, model, size: int, folder: Path) -> list[str]:
 
 
 def run_cell(task: str, name: str, size: int, onnx: bool = True) -> tuple[str, str]:
-    """("pass" | "refused" | "failed", why); without ``onnx`` the export is skipped (said in why)."""
-    from backbones.timm_backbone import TimmRefusal
+    """("pass" | "refused" | "failed", why); without ``onnx`` the export is skipped (said in why). An architecture
+    that refuses ``size`` px as an input size is run again at the size it was made for (said in why)."""
+    from backbones.timm_backbone import InputSizeRefusal, TimmRefusal
 
     torch.manual_seed(0)
     try:
@@ -177,6 +178,11 @@ def run_cell(task: str, name: str, size: int, onnx: bool = True) -> tuple[str, s
         with tempfile.TemporaryDirectory() as folder:
             failed = export_parity(task, model, size, Path(folder))
         return ("failed", "ONNX parity: " + "; ".join(failed)) if failed else ("pass", "")
+    except InputSizeRefusal as err:
+        if err.size == size:
+            return "refused", str(err)
+        verdict, why = run_cell(task, name, err.size, onnx)  # the size the architecture was made for
+        return verdict, f"at {err.size} px, refuses {size} px" + (f"; {why}" if why else "")
     except TimmRefusal as err:
         return "refused", str(err)
     except CellTimeout:
@@ -195,16 +201,18 @@ def _alarm(signum, frame):
     raise CellTimeout()
 
 
-def sweep(models: list[str], size: int, timeout: int, out, onnx: str = "all", progress=sys.stderr) -> dict:
-    """Run every cell; ``onnx``: export and compare in ``"all"`` tasks, only ``"classify"``, or ``"none"``."""
+def sweep(models: list[str], size: int, timeout: int, out, onnx: str = "all", progress=sys.stderr,
+          merge: bool = False, tasks: tuple[str, ...] = TASKS) -> dict:
+    """Run every cell; ``onnx``: export and compare in ``"all"`` tasks, only ``"classify"``, or ``"none"``;
+    ``merge``: replace these architectures' rows in the table already at ``out`` (its counts recomputed)."""
     from backbones.timm_backbone import timm_family
 
-    rows, counts = [], {task: defaultdict(int) for task in TASKS}
+    rows, counts = [], {task: defaultdict(int) for task in tasks}
     signal.signal(signal.SIGALRM, _alarm)
     warnings.filterwarnings("ignore")  # self.log outside a Trainer, timm's deprecation notes: not results
     for i, name in enumerate(models):
         cells = []
-        for task in TASKS:
+        for task in tasks:
             start = time.time()
             signal.alarm(timeout)
             try:
@@ -218,15 +226,40 @@ def sweep(models: list[str], size: int, timeout: int, out, onnx: str = "all", pr
             print(f"[{i + 1}/{len(models)}] {name} {task}: {verdict} {why[:160]} ({time.time() - start:.1f} s)",
                   file=progress, flush=True)
         rows.append(f"| {name} | {timm_family(name)} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-        write_table(rows, counts, size, out)
+        if merge:
+            table, merged_counts = merged_rows(out, rows[-1:], tasks)
+            write_table(table, merged_counts, size, out)
+        else:
+            write_table(rows, counts, size, out)
     return counts
 
 
+def merged_rows(out: str, rows: list[str], tasks: tuple[str, ...] = TASKS) -> tuple[list[str], dict]:
+    """The rows of the table in ``out`` with each architecture of ``rows`` replaced (or added), and the counts
+    of the verdicts in them: ``--merge`` re-runs some architectures of a sweep without the others."""
+    new = {row.split(" | ")[0]: row for row in rows}
+    old = [line for line in Path(out).read_text().splitlines() if line.startswith("| ")
+           and line.count(" | ") == len(tasks) + 1 and not line.startswith(("| architecture", "| ---"))]
+    kept = [new.pop(line.split(" | ")[0], line) for line in old]
+    table = kept + list(new.values())
+    counts = {task: defaultdict(int) for task in tasks}
+    for line in table:
+        for task, cell in zip(tasks, line.rstrip(" |").split(" | ")[2:]):
+            counts[task][cell.split(":")[0].strip()] += 1
+    return table, counts
+
+
 def write_table(rows: list[str], counts: dict, size: int, out) -> None:
-    lines = [f"# timm architectures in every task ({len(rows)} architectures, {size} px, CPU, random weights)", "",
-             "| task | pass | refused | failed |", "| --- | --- | --- | --- |"]
+    """The counts per task (the tasks of ``counts``) and a row per architecture; a note written by hand between
+    the title and the counts of a table already at ``out`` is kept."""
+    notes = []
+    if out != "-" and Path(out).is_file():
+        old = Path(out).read_text().splitlines()
+        notes = old[1:next((i for i, line in enumerate(old) if line.startswith("| task |")), 1)]
+    lines = [f"# timm architectures in every task ({len(rows)} architectures, {size} px, CPU, random weights)",
+             *(notes or [""]), "| task | pass | refused | failed |", "| --- | --- | --- | --- |"]
     lines += [f"| {task} | {c['pass']} | {c['refused']} | {c['failed']} |" for task, c in counts.items()]
-    lines += ["", "| architecture | family | classify | detect | segment |", "| --- | --- | --- | --- | --- |", *rows]
+    lines += ["", "| architecture | family | " + " | ".join(counts) + " |", "| --- " * (len(counts) + 2) + "|", *rows]
     text = "\n".join(lines) + "\n"
     if out == "-":
         print(text)
@@ -243,6 +276,9 @@ def main(argv=None) -> None:
     parser.add_argument("--onnx", default="all", choices=["all", "none", *TASKS],
                         help="the tasks whose ONNX export and parity run (the export takes ~30 s a cell on 2 cores)")
     parser.add_argument("--out", default="benchmarks/results_timm.md", help="markdown table, or - for stdout")
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS, help="the tasks to run")
+    parser.add_argument("--merge", action="store_true",
+                        help="replace the rows of --models in the table already at --out, keeping the others")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if not args.models:
@@ -250,7 +286,7 @@ def main(argv=None) -> None:
         args.models = smallest + [name for name in NAMED if name not in smallest]
     models = args.models
     print(f"{len(models)} architectures", file=sys.stderr, flush=True)
-    counts = sweep(models, args.size, args.timeout, args.out, args.onnx)
+    counts = sweep(models, args.size, args.timeout, args.out, args.onnx, merge=args.merge, tasks=tuple(args.tasks))
     print({task: dict(c) for task, c in counts.items()}, file=sys.stderr)
 
 

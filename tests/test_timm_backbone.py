@@ -283,6 +283,36 @@ def test_one_flag_trains_each_task_and_the_checkpoint_rebuilds_without_weights(f
     assert all(torch.equal(v, saved["state_dict"][k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow  # reads the fits above
+@pytest.mark.parametrize("task, name, flags", [
+    ("classify", "convnext_atto", ()),
+    ("detect", "mobilenetv4_conv_small", ()),
+    ("segment", "resnet10t", ("--model.backbone.output_stride", "8")),
+])
+def test_predict_of_a_timm_checkpoint_answers_in_the_images_own_coordinates(fitted, task, name, flags):
+    """``tasks.load(ckpt).predict(image)`` on a 70x90 image: the classifier's top classes are the softmax of the
+    network's logits on the prepared image; boxes lie inside the image; the mask has the image's size."""
+    import numpy as np
+
+    import tasks
+
+    model = tasks.load(fitted(task, name, *flags))
+    assert isinstance(model.backbone, Timm)
+    image = np.random.default_rng(0).integers(0, 256, (70, 90, 3), dtype=np.uint8)
+    result = model.predict(image)
+    if task == "classify":
+        prepared, _ = model.prepared_images([image])
+        with torch.no_grad():
+            probabilities = model(torch.stack(prepared)).float().softmax(-1)[0]
+        best = probabilities.topk(len(result))
+        assert [label for label, _ in result] == [model.class_names[i] for i in best.indices]
+        assert [p for _, p in result] == pytest.approx(best.values.tolist(), abs=1e-6)
+    elif task == "detect":
+        assert all(0 <= d["box"][0] <= d["box"][2] <= 90 and 0 <= d["box"][1] <= d["box"][3] <= 70 for d in result)
+    else:
+        assert result.shape == (70, 90) and 0 <= result.min() and result.max() < len(model.class_names)
+
+
 @pytest.mark.slow  # a CLI fit and test: ~30 s
 def test_a_tag_normalises_the_data_and_test_reads_no_weights_file(fitted, monkeypatch, tmp_path, demo_cache):
     """Fit from a tag (ViT-Ti/16 in21k->1k: Inception's mean and std, 0.5) found in the cache; the datamodule
@@ -339,6 +369,33 @@ def test_the_sweep_refuses_by_name_and_never_raises(monkeypatch):
     monkeypatch.setattr(sweep_timm, "build_task", lambda *a: nn.Identity())
     verdict, why = sweep_timm.run_cell("detect", "somenet", SIZE)
     assert verdict == "failed" and why.startswith("AttributeError")
+
+
+def test_an_input_size_the_architecture_rejects_is_refused_with_the_size_it_takes():
+    """halonet26t's attention blocks need a multiple of 256 px (timm's min_input_size): at 64 px its own assert
+    fires deep inside timm; the backbone says which architecture, which size, and what to set."""
+    from backbones.timm_backbone import InputSizeRefusal
+
+    backbone = Timm("halonet26t").eval()
+    for forward in (backbone.forward, backbone.forward_pooled):
+        with pytest.raises(InputSizeRefusal, match=r"timm's halonet26t \(byoanet\) cannot take 64x64 inputs .*"
+                                                   r"made for 256x256, at least 256: set data.image_size") as err:
+            forward(torch.zeros(1, 3, 64, 64))
+        assert err.value.size == 256
+
+
+def test_the_sweep_runs_a_size_refusal_again_at_the_size_it_takes(monkeypatch):
+    import sweep_timm
+    from backbones.timm_backbone import InputSizeRefusal
+
+    def refuses_64(task, name, size):
+        if size == 64:
+            raise InputSizeRefusal(f"timm's {name} cannot take 64x64 inputs", 96)
+        raise TimmRefusal(f"timm's {name} reached at {size} px")
+
+    monkeypatch.setattr(sweep_timm, "build_task", refuses_64)
+    assert sweep_timm.run_cell("classify", "somenet", 64) == ("refused", "at 96 px, refuses 64 px; timm's somenet "
+                                                                           "reached at 96 px")
 
 
 @pytest.mark.slow
