@@ -15,6 +15,11 @@ LAST_NAME = "last.ckpt"
 class LatestCheckpoint(Checkpoint):
     """Writes ``dirpath/last.ckpt`` with the latest training state, whatever the metric.
 
+    The file also keeps the metrics the run has logged so far (``trainer.callback_metrics``: the last
+    validation's), which Lightning does not checkpoint: a resumed run has them back before its first step, so a
+    ``ModelCheckpoint`` saving every ``n`` steps scores the steps before the next validation as the
+    uninterrupted run did (without them it skipped them, and the resumed run kept other best checkpoints).
+
     Written every ``every_n_train_steps`` optimizer steps (``0``: never mid-epoch; a step that a
     validation or the epoch's end follows is written after them instead), at every
     validation end and at every training epoch end, whether or not validation ran: a run killed
@@ -33,6 +38,8 @@ class LatestCheckpoint(Checkpoint):
         self.every_n_train_steps = int(every_n_train_steps or 0)
         self._saved_step = -1
         self._root_checked = False
+        self._trainer: Trainer | None = None
+        self._restored_metrics: dict = {}
 
     @property
     def path(self) -> Path:
@@ -55,6 +62,15 @@ class LatestCheckpoint(Checkpoint):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._root_checked = False
+        self._trainer = trainer
+
+    def state_dict(self) -> dict:
+        metrics = self._trainer.callback_metrics if self._trainer is not None else {}
+        return {"callback_metrics": {name: value.detach().cpu() for name, value in metrics.items()
+                                     if hasattr(value, "detach")}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._restored_metrics = dict(state_dict.get("callback_metrics", {}))
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # strategies that restore after setup (FSDP, DeepSpeed) have not named the resumed checkpoint yet
@@ -63,6 +79,9 @@ class LatestCheckpoint(Checkpoint):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.refuse_overwriting_another_fit(trainer)
+        for name, value in self._restored_metrics.items():  # the resumed run's, as they were when it was saved
+            trainer.callback_metrics.setdefault(name, value)
+        self._restored_metrics = {}
 
     def refuse_overwriting_another_fit(self, trainer: Trainer) -> None:
         """Stop a fit that would overwrite the ``last.ckpt`` of an earlier fit in the same run root.

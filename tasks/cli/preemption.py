@@ -15,9 +15,19 @@ uninterrupted one. Then ``last.ckpt`` is written (its writes are atomic:
 :mod:`tasks.cli.checkpoint_io`), rank 0 prints where and how to resume, and every rank exits with
 ``128 + signal number``: 143 for SIGTERM, 138 for SIGUSR1 (SLURM's ``--signal=USR1@<seconds>``
 warning before the time limit; give it more seconds than a validation takes).
+
+A rank that dies without a signal to catch (SIGKILL, the OOM killer, a segfault) would leave the others
+waiting in their next collective: gloo sees the closed connection within seconds, but NCCL waits for the
+process group's timeout (Lightning gives DDP 30 minutes). So under several processes a :class:`PeerWatch`
+thread on each rank watches the ranks this process depends on on its node: rank 0 watches the ranks
+Lightning's launcher started, the others watch the process that started them. When one is gone,
+the rank prints where the run stands and the command that resumes it, and exits with code 1 at once, from
+inside any collective; it writes nothing (``last.ckpt`` is only ever replaced whole). Ranks on other nodes
+are their launcher's to stop (``srun`` ends a step whose task failed, ``torchrun`` its other workers).
 """
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import sys
@@ -56,6 +66,45 @@ class Preemption(Callback):
         #: the command that resumes this run; the suite's CLI fills it in
         self.resume_command: str | None = None
         self._step_checked = -1
+        self._watch: PeerWatch | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit" and trainer.world_size > 1 and self._watch is None:
+            self._watch = PeerWatch.start(trainer, lambda why: self.peer_summary(trainer, why))
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # a rank that finished may exit before its peers: from here on, a peer that is gone is not a failure
+        self._stop_watching()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop_watching()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # a collective that failed because a peer is gone (gloo: "Connection closed by peer")
+        if trainer.world_size > 1 and peer_failure(exception):
+            self._stop_watching()
+            print(self.peer_summary(trainer, f"a collective failed: {str(exception).splitlines()[0][:300]}"),
+                  file=sys.stderr, flush=True)
+
+    def _stop_watching(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+
+    def peer_summary(self, trainer: Trainer, why: str) -> str:
+        """What a rank prints when a peer rank is gone: why, where the run stands, how to resume."""
+        from tasks.cli.last_checkpoint import LatestCheckpoint, describe_checkpoint
+
+        latest = next((c for c in trainer.checkpoint_callbacks if isinstance(c, LatestCheckpoint)), None)
+        lines = [f"rank {trainer.global_rank}: stopping, another process of this run is gone ({why}); "
+                 "nothing was written on the way out"]
+        if latest is not None and latest.path.is_file():
+            lines.append(f"last checkpoint:  {latest.path.resolve()}{describe_checkpoint(latest.path)}")
+            if self.resume_command:
+                lines.append(f"resume with:      {self.resume_command}")
+        else:
+            lines.append("no last.ckpt yet: the run starts again from its beginning")
+        return "\n".join(lines)
 
     def _record(self, signum: int, frame) -> None:
         # a signal handler only records: saving or talking to other ranks here could interrupt a collective
@@ -135,6 +184,61 @@ def resume_command(task: str, argv: list[str] | CommandLine, root: str) -> str:
         args.append(arg)
     return shlex.join(["python", "-m", f"tasks.{task}", *args, "--trainer.default_root_dir",
                        str(Path(root).resolve()), "--ckpt_path", "last"])
+
+
+#: what gloo and NCCL say when a collective fails because a peer process is gone
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+             "Watchdog caught collective operation timeout")
+
+
+def peer_failure(exception: BaseException) -> bool:
+    import torch.distributed as dist
+
+    return isinstance(exception, dist.DistError) or any(text in str(exception) for text in PEER_GONE)
+
+
+class PeerWatch(threading.Thread):
+    """Exits this process (code 1) once a process it depends on is gone, after printing ``summary(why)`` (see the
+    module).
+
+    Rank 0 under Lightning's launcher watches the ranks it started (``launcher.procs``): one that ended with a
+    non-zero code is gone. Any other rank watches its parent (Lightning's rank 0, ``torchrun``'s agent): a new
+    parent pid means it is gone. Checked every ``period`` seconds."""
+
+    def __init__(self, children: list, parent: int | None, summary, period: float = 1.0):
+        super().__init__(daemon=True, name="suite-peer-watch")
+        self.children, self.parent, self.summary, self.period = children, parent, summary, period
+        self._stopped = threading.Event()
+
+    @classmethod
+    def start(cls, trainer: Trainer, summary) -> "PeerWatch | None":
+        children = list(getattr(trainer.strategy.launcher, "procs", None) or [])
+        parent = os.getppid() if not children and int(os.environ.get("LOCAL_RANK", "0")) > 0 else None
+        if not children and parent in (None, 1):
+            return None
+        watch = cls(children, parent, summary)
+        threading.Thread.start(watch)
+        return watch
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def gone(self) -> str | None:
+        for proc in self.children:
+            if proc.poll() not in (None, 0):
+                return f"process {proc.pid} exited with code {proc.returncode}"
+        if self.parent is not None and os.getppid() != self.parent:
+            return f"process {self.parent}, which started this one, exited"
+        return None
+
+    def run(self) -> None:
+        while not self._stopped.wait(self.period):
+            why = self.gone()
+            if why is not None and not self._stopped.is_set():
+                try:
+                    print(self.summary(why), file=sys.stderr, flush=True)
+                finally:
+                    os._exit(1)  # the main thread may sit in a collective that never returns
 
 
 def _signal(name: str | int) -> signal.Signals:

@@ -1,0 +1,52 @@
+"""A dead peer rank: one of two processes of the real classification fit is SIGKILLed (rank 0, or the rank
+Lightning's launcher started); the other stops within the bound (60 s; on CPU with gloo about 1 s through
+tasks.cli.preemption.PeerWatch), exits non-zero, prints the command that resumes, and writes nothing half-done:
+``last.ckpt`` is whole and the resume ends where an uninterrupted run ends."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO, clean_env
+from tests.test_contract import QUIET, SHAPE_OVERRIDE, TINY, assert_resumed_equals_straight
+
+sys.path.insert(0, str(REPO / "scripts"))
+from fault_campaign import PEER_BOUND_S, Run  # noqa: E402
+
+RUN = [*TINY["classify"], *SHAPE_OVERRIDE["classify"], *QUIET, "--trainer.devices", "2", "--trainer.strategy", "ddp",
+       "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "1",
+       "--checkpoint.every_n_train_steps", "1", "--trainer.callbacks+=tests.fault_injection.FaultInjector"]
+
+
+def fit(tmp_path, root: str, *extra: str, fault: str | None = None):
+    env = clean_env(**({"SUITE_FAULT": fault} if fault else {}))
+    run = Run("classify", ["fit", *RUN, "--trainer.default_root_dir", root, *extra], tmp_path, env,
+              tmp_path / f"{root}-{fault}.log", fork=False)
+    code, info = run.wait(timeout=900)
+    return code, info, run.text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_killed_rank_stops_the_other_within_the_bound_with_the_resume_command(tmp_path, rank):
+    code, info, log = fit(tmp_path, "resumed", fault=f"step:4:{rank}")
+    assert "hang" not in info, log[-3000:]
+    assert code != 0
+    assert info["all_gone"] - info["first_death"] <= PEER_BOUND_S, info
+    survivor = 1 - rank
+    assert f"rank {survivor}: stopping, another process of this run is gone" in log, log[-3000:]
+    last = tmp_path / "resumed" / "checkpoints" / "last.ckpt"
+    resume = log.split("resume with:")[1].splitlines()[0].split()
+    assert resume[:3] == ["python", "-m", "tasks.classify"] and resume[-4:] == [
+        "--trainer.default_root_dir", str(tmp_path / "resumed"), "--ckpt_path", "last"]
+    # nothing half-done: the last checkpoint is the whole one of the last finished step, no partial file beside it
+    assert torch.load(last, weights_only=True)["global_step"] == 4
+    assert not [p.name for p in last.parent.iterdir() if ".tmp-" in p.name]
+    if rank == 0:  # the resume the message gives ends where the uninterrupted run ends
+        code, info, log = fit(tmp_path, "resumed", "--ckpt_path", "last")
+        assert code == 0, log[-3000:]
+        code, info, log = fit(tmp_path, "straight")
+        assert code == 0, log[-3000:]
+        assert_resumed_equals_straight(tmp_path, steps=6)
