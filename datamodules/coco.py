@@ -54,7 +54,7 @@ from datamodules.detection_common import (DetectionDataModule, ImageFiles,  # no
                                           ssd_train_transform, stack_detection, stack_images)
 from datamodules.images import OnBadImage, guarded, read_rgb
 from datamodules.input_spec import normalization
-from datamodules.loaders import check_repeated_augmentation
+from datamodules.loaders import check_positive_counts, check_repeated_augmentation
 from datamodules.prepared import StringTable, file_signature, prepare
 from layers.machine import AUTO, NumWorkers
 
@@ -427,6 +427,7 @@ class CocoDataModule(DetectionDataModule):
         check_repeated_augmentation(repeated_augmentation)
         check_augmentation(augmentation, zoom_out_max)
         self.save_hyperparameters()
+        check_positive_counts(batch_size=batch_size, eval_batch_size=eval_batch_size)
         self.hparams.mean, self.hparams.std = normalization(weights, mean, std)
         self._root = Path(root).expanduser() if root else None
         self._categories: list[dict] | None = None

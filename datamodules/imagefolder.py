@@ -39,7 +39,8 @@ from datamodules.images import (
 )
 from datamodules.classification_transforms import MixCollate, train_transform
 from datamodules.input_spec import InputSpec, classification_spec, normalization
-from datamodules.loaders import SplitLoaders, StreamedSource, check_repeated_augmentation, make_loader
+from datamodules.loaders import (SplitLoaders, StreamedSource, check_positive_counts, check_repeated_augmentation,
+                                 make_loader)
 from datamodules.resolution import ProgressiveResizing, VariableResolution, check_schedules, resolution_loader, \
     resolution_plan
 from datamodules.prepared import StringTable, folder_signature, prepare
@@ -65,6 +66,17 @@ def class_folders(split_dir: Path) -> list[str]:
     return sorted(names)
 
 
+def _images_below(folder: Path) -> list[Path]:
+    """The image files anywhere under ``folder`` (hidden entries left out), sorted; links to folders are not
+    followed (a loop would never end)."""
+    found = []
+    for parent, folders, files in os.walk(folder):
+        folders[:] = sorted(f for f in folders if not f.startswith("."))
+        found += [Path(parent) / f for f in sorted(files)
+                  if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS]
+    return found
+
+
 def _checked_classes(split_dir: Path, classes: Sequence[str] | None) -> tuple[list[str], list[str]]:
     """(class folders found in ``split_dir``, the label order): errors for a missing split, no class
     folders, or folders unknown to the training classes."""
@@ -85,7 +97,9 @@ def _checked_classes(split_dir: Path, classes: Sequence[str] | None) -> tuple[li
 def _image_names(folder: Path, skipped: SkippedFiles) -> list[str]:
     """Sorted names of the image files directly in ``folder``, read from the directory entries alone
     (no ``stat`` per file: the entry's type comes with the listing). Entries left out are counted in
-    ``skipped``; hidden files and sub-folders are not data and are not counted."""
+    ``skipped``; hidden files are not data and are not counted. The images inside a sub-folder are not read
+    (the layout is ``<class>/<image>``) and are counted, so none is left out without a word (torchvision's
+    ImageFolder would read them)."""
     names = []
     with os.scandir(folder) as entries:
         for entry in entries:
@@ -99,7 +113,10 @@ def _image_names(folder: Path, skipped: SkippedFiles) -> list[str]:
             kind = entry_kind(entry)  # what it is instead, or why it is left out
             if kind == "image":
                 names.append(name)
-            elif kind != "folder":
+            elif kind == "folder":
+                for image in _images_below(Path(entry.path)):
+                    skipped.add("image in a sub-folder", image)
+            else:
                 skipped.add(kind, Path(entry.path))
     return sorted(names)
 
@@ -337,6 +354,7 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         check_repeated_augmentation(repeated_augmentation)
         check_schedules(variable_resolution, progressive_resizing, repeated_augmentation, streaming_root is not None)
         self.save_hyperparameters()
+        check_positive_counts(batch_size=batch_size, eval_batch_size=eval_batch_size)
         self.hparams.mean, self.hparams.std = normalization(weights, mean, std)
         self._root = Path(root).expanduser() if root else None
         self._classes: list[str] | None = None

@@ -68,7 +68,8 @@ class SkippedFiles:
     Reasons (:data:`REASONS`): ``"file of another type"`` (an extension outside :data:`IMAGE_EXTENSIONS`,
     e.g. ``.gif``, ``.heic``), ``"broken link"`` (a symlink to nothing), ``"link loop"`` (symlinks that
     lead back to themselves), ``"unreadable entry"`` (it cannot be examined, or is no regular file: a
-    socket, a pipe). Hidden files are not counted.
+    socket, a pipe), ``"image in a sub-folder"`` (an image inside a folder within a class folder, which the
+    ImageFolder layout does not read: ``train/cat/more/x.png``). Hidden files are not counted.
 
     A caller that lists many folders as one (a class folder each) passes one instance to every
     :func:`list_images` / :func:`image_tree` call and calls :meth:`report` once at the end; without one,
@@ -76,7 +77,11 @@ class SkippedFiles:
 
     #: each reason, singular -> plural
     REASONS = {"file of another type": "files of other types", "broken link": "broken links",
-               "link loop": "link loops", "unreadable entry": "unreadable entries"}
+               "link loop": "link loops", "unreadable entry": "unreadable entries",
+               "image in a sub-folder": "images in sub-folders"}
+    #: what a reason needs said about it
+    NOTES = {"image in a sub-folder": "a class's images lie directly in its folder, <split>/<class>/<image>: move "
+                                      "them up a level to train on them"}
     EXAMPLES = 3
 
     def __init__(self):
@@ -103,8 +108,10 @@ class SkippedFiles:
             names = [_relative(p, where) for p in self.examples[reason]]
             more = ", ..." if count > len(names) else ""
             parts.append(f"{count} {reason if count == 1 else self.REASONS[reason]} ({', '.join(names)}{more})")
+        notes = "".join(f"; {self.NOTES[reason]}" for reason in self.counts if reason in self.NOTES)
         return (f"left out {self.total} {'entry' if self.total == 1 else 'entries'} of {where} that are not read as "
-                f"images: {'; '.join(parts)} (images are {', '.join(IMAGE_EXTENSIONS)}; hidden files are ignored)")
+                f"images: {'; '.join(parts)} (images are {', '.join(IMAGE_EXTENSIONS)}; hidden files are ignored"
+                f"{notes})")
 
     def report(self, where: Path | str) -> None:
         """Warn once (on rank 0) with :meth:`describe`, when anything was left out."""
@@ -253,18 +260,26 @@ ORIENTATION = 0x0112
 
 def _read_with_pil(source) -> torch.Tensor:
     """``source``: a path or a file object; the EXIF orientation is applied."""
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     with Image.open(source) as img:
-        if img.getexif().get(ORIENTATION, 1) != 1:
-            img = ImageOps.exif_transpose(img)
-        if img.mode in ("I;16", "I;16B", "I;16L", "I"):
-            values = np.asarray(img, dtype=np.int64)
-            peak = 65535 if img.mode.startswith("I;16") or values.max() > 255 else 255
-            gray = np.clip(np.rint(values * (255.0 / peak)), 0, 255).astype(np.uint8)
-            array = np.repeat(gray[..., None], 3, axis=2)
-        else:
-            array = np.array(img.convert("RGB"))  # a copy: PIL's buffer is read-only
+        return pil_rgb(img)
+
+
+def pil_rgb(img) -> torch.Tensor:
+    """An opened PIL image -> (3, H, W) uint8 RGB, upright (its EXIF orientation applied), a 16-bit image
+    (mode ``I;16``, or ``I`` with values over 255) scaled 65535 -> 255 as a 16-bit file is, not clipped."""
+    from PIL import ImageOps
+
+    if img.getexif().get(ORIENTATION, 1) != 1:
+        img = ImageOps.exif_transpose(img)
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        values = np.asarray(img, dtype=np.int64)
+        peak = 65535 if img.mode.startswith("I;16") or values.max() > 255 else 255
+        gray = np.clip(np.rint(values * (255.0 / peak)), 0, 255).astype(np.uint8)
+        array = np.repeat(gray[..., None], 3, axis=2)
+    else:
+        array = np.array(img.convert("RGB"))  # a copy: PIL's buffer is read-only
     return torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1)
 
 

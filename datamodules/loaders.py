@@ -13,6 +13,7 @@ each copy of an image under its own seed.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Iterator
 
 import torch
@@ -143,6 +144,18 @@ class SuiteDataLoader(SingleThreadedWorkers, DataLoader):
 
 class SuiteTrainLoader(ResumableLoader, SuiteDataLoader):
     """The training loader: its position in the epoch is saved in checkpoints and resumed from."""
+
+
+def check_positive_counts(**counts) -> None:
+    """Refuse a batch size or token budget (``batch_size=...``, ``max_tokens=...``) that is not a positive whole
+    number, naming its key ``data.<name>``: ``--data.batch_size null`` is refused here, at the start, not as a
+    ``TypeError`` inside the loader. An ``eval_*`` count may be ``None`` (it then follows the training one)."""
+    for name, value in counts.items():
+        if value is None and name.startswith("eval_"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"data.{name}={value!r}: give a positive whole number (--data.{name} 32)"
+                             + (f", or leave data.{name} out to use the training one" if name.startswith("eval_") else ""))
 
 
 def make_loader(dataset: Dataset, *, batch_size: int, num_workers: NumWorkers, train: bool, pin_memory: bool = True,

@@ -56,7 +56,8 @@ from torch.utils.data import ConcatDataset, Dataset
 from datamodules.demo import demo_root
 from datamodules.images import collate_skipping, predict_images
 from datamodules.input_spec import InputSpec, normalization, segmentation_spec
-from datamodules.loaders import SplitLoaders, StreamedSource, check_repeated_augmentation, make_loader
+from datamodules.loaders import (SplitLoaders, StreamedSource, check_positive_counts, check_repeated_augmentation,
+                                 make_loader)
 from datamodules.segmentation_cvnets import CvnetsTrainTransform
 from datamodules.segmentation_transforms import IGNORE_INDEX, train_transform
 # the layouts' readers, shared with datamodules.coco_voc, and importable from here
@@ -242,6 +243,7 @@ class SegmentationDataModule(SplitLoaders, StreamedSource, LightningDataModule):
             raise ValueError("coco_root is read from its folder; it cannot be mixed into a streamed dataset "
                              "(streaming_root)")
         self.save_hyperparameters()
+        check_positive_counts(batch_size=batch_size)
         self.hparams.mean, self.hparams.std = normalization(weights, mean, std)
         self._root = Path(root).expanduser() if root else None
         self._class_names: list[str] | None = None

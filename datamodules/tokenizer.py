@@ -97,6 +97,21 @@ class Tokenizer:
         return self._fingerprint
 
     @property
+    def content_fingerprint(self) -> str:
+        """Identifies what the vocabulary does, not where it was trained: :attr:`fingerprint` of the model
+        with the training files' paths, ``model_prefix`` and ``num_threads`` cleared (sentencepiece records
+        them in the model), so the vocabulary trained from an identical copy of the data in another folder,
+        or on a machine with other cores, is the same one. What a checkpoint is compared with."""
+        from sentencepiece import sentencepiece_model_pb2
+
+        model = sentencepiece_model_pb2.ModelProto()
+        model.ParseFromString(self.serialized())
+        model.trainer_spec.ClearField("input")
+        model.trainer_spec.ClearField("model_prefix")
+        model.trainer_spec.ClearField("num_threads")
+        return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:16]
+
+    @property
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
 

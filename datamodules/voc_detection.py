@@ -63,7 +63,7 @@ from datamodules.detection_common import (DetectionDataModule, check_augmentatio
                                           detection_item, has_area_inside)
 from datamodules.images import OnBadImage, guarded, read_rgb
 from datamodules.input_spec import normalization
-from datamodules.loaders import check_repeated_augmentation
+from datamodules.loaders import check_positive_counts, check_repeated_augmentation
 from layers.machine import AUTO, NumWorkers
 
 #: Pascal VOC's 20 object classes, in the devkit's order (label i = ``VOC_DETECTION_CLASSES[i]``)
@@ -464,6 +464,7 @@ class VocDetectionDataModule(DetectionDataModule):
         if class_names is not None:
             check_class_names(class_names, "data.class_names")
         self.save_hyperparameters()
+        check_positive_counts(batch_size=batch_size, eval_batch_size=eval_batch_size)
         self.hparams.mean, self.hparams.std = normalization(weights, mean, std)
         self._root = Path(root).expanduser() if root else None
         self._class_names: list[str] | None = None

@@ -51,7 +51,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from datamodules.demo_text import demo_translation_root
-from datamodules.loaders import StreamedSource
+from datamodules.loaders import StreamedSource, check_positive_counts
 from datamodules.resumable import EpochOrder, ResumableLoader
 from datamodules.prepared import PreparedIndex, file_signature, prepare
 from datamodules.tokenizer import (BOS_ID, EOS_ID, PAD_ID, TextLines, Tokenizer, decode_lines, joint_tokenizer,
@@ -466,8 +466,8 @@ class TranslationDataModule(StreamedSource, LightningDataModule):
         # filled, and Lightning refuses to log two different values under one key. The logger gets the
         # whole resolved config from the CLI instead (``suite_config.yaml``), the checkpoint these.
         self.save_hyperparameters(logger=False)
-        if predict_batch_size < 1:
-            raise ValueError(f"predict_batch_size must be positive, got {predict_batch_size}")
+        check_positive_counts(max_tokens=max_tokens, eval_max_tokens=eval_max_tokens,
+                              predict_batch_size=predict_batch_size)
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
         self.max_tokens = max_tokens
         self.eval_max_tokens = eval_max_tokens or max_tokens

@@ -177,7 +177,10 @@ class ClassificationTask(LearnsFromTeacher, Predictor, TaskModule):
 
     def predict_inputs(self, inputs: list, top_k: int = 5) -> list[list[tuple[str, float]]]:
         """``model.predict(images, top_k=5)`` (:mod:`tasks.engine.predictor`): per image ``[(class name, probability), ...]``,
-        the ``top_k`` most probable classes, best first."""
+        the ``top_k`` most probable classes, best first (all of them when ``top_k`` exceeds their number)."""
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"predict: top_k={top_k!r}; give how many of the {len(self.class_names)} classes to "
+                             "return, at least 1")
         images, _ = self.prepared_images(inputs)
         top_scores, top_labels = self.top_classes(torch.stack(images).to(self.device), top_k)
         return [[(self.class_names[label], score) for label, score in zip(labels, scores)]

@@ -13,8 +13,10 @@ the checkpoint and the text, and `validate`/`test` refuse data whose vocabulary 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
@@ -189,9 +191,13 @@ class TranslationTask(Predictor, TaskModule):
 
     def data_identity_mismatches(self, datamodule) -> list[str]:
         mismatches = super().data_identity_mismatches(datamodule)
-        theirs = datamodule.vocabulary_fingerprint
-        if self._tokenizer is not None and self._tokenizer.fingerprint != theirs:
-            mismatches.append(f"sentencepiece vocabulary: model {self._tokenizer.fingerprint} vs data {theirs}")
+        if self._tokenizer is not None:
+            # what the vocabularies hold, not their model files' bytes: sentencepiece records the training files'
+            # paths in the model, so an identical copy of the data in another folder is the same vocabulary
+            ours = self._tokenizer.content_fingerprint
+            theirs = datamodule.tokenizer.content_fingerprint if datamodule.vocabulary_fingerprint else None
+            if ours != theirs:
+                mismatches.append(f"sentencepiece vocabulary: model {ours} vs data {theirs}")
         return mismatches
 
     def encode_sources(self, texts: list[str], cut: list[int] | None = None) -> torch.Tensor:
@@ -290,7 +296,17 @@ class TranslationTask(Predictor, TaskModule):
     predict_batch_size = 32
 
     def is_one_input(self, inputs) -> bool:
-        return isinstance(inputs, str)
+        """A string is one sentence, a list or tuple of strings is several; anything else is refused, naming
+        what it is (a numpy array, bytes, a path, an image, ``None``, a number), never turned into text."""
+        if isinstance(inputs, str):
+            return True
+        if not isinstance(inputs, (list, tuple)):
+            raise TypeError(f"predict: cannot translate {_described(inputs)}; give a string or a list of strings")
+        for position, item in enumerate(inputs):
+            if not isinstance(item, str):
+                raise TypeError(f"predict: input {position} is {_described(item)}; the translation model translates "
+                                "strings")
+        return False
 
     def predict_inputs(self, inputs: list[str], beam_size: int | None = None) -> list[str]:
         """``model.predict(texts, beam_size=None)`` (:mod:`tasks.engine.predictor`): each source sentence's translation;
@@ -308,6 +324,23 @@ class TranslationTask(Predictor, TaskModule):
         translations = self.translate_texts(batch["src_text"], cut)
         return [(index, text, row in cut) for row, (index, text)
                 in enumerate(zip(batch["index"].tolist(), translations))]
+
+
+def _described(value) -> str:
+    """What a non-string input to the translation model is, with what to give instead."""
+    if isinstance(value, (bytes, bytearray)):
+        return f"bytes ({bytes(value)!r:.40}): decode them first, e.g. data.decode('utf-8')"
+    if isinstance(value, Path):
+        return (f"a path ({value}): give its lines, Path(...).read_text(encoding='utf-8').splitlines(), or run "
+                "`python -m tasks.translate predict --data.predict_path FILE`")
+    if isinstance(value, np.ndarray):
+        return f"a numpy array {value.shape} of {value.dtype}: give its strings as a list (array.tolist())"
+    if value is None:
+        return "None"
+    kind = type(value)
+    if kind.__module__.startswith("PIL."):
+        return "an image: the translation model translates text"
+    return f"{value!r:.40} (of type {kind.__module__ + '.' if kind.__module__ != 'builtins' else ''}{kind.__qualname__})"
 
 
 def main(args=None):

@@ -48,6 +48,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
+from tasks.cli.errors import Refusal
 from tasks.engine.checkpoints import plain
 from tasks.engine.optim import schedule_arguments
 
@@ -198,22 +199,36 @@ def _short(value: Any) -> str:
 
 
 # -- one fit per run root ---------------------------------------------------------------------------
-class RunInUse(RuntimeError):
-    """Another ``fit`` is using the run root."""
+class RunInUse(Refusal, RuntimeError):
+    """Another ``fit`` is using the run root (a refusal: the command line shows its message alone)."""
+
+
+def check_run_root(root: str | Path) -> None:
+    """Refuse a run root (``trainer.default_root_dir``) that cannot be one, before anything is built: a file
+    in its place or in place of a folder above it, or a folder this process may not write in (the run root,
+    or the nearest folder above it that exists), naming it and the key."""
+    root = Path(root)
+    existing = next((p for p in (root, *root.parents) if p.exists()), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        raise NotADirectoryError(
+            f"trainer.default_root_dir={root} cannot be a run folder: {existing} is a file. The run root holds "
+            "the checkpoints, logs and predictions; give --trainer.default_root_dir a folder path (it is created), "
+            "or move the file away")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"trainer.default_root_dir={root}: this user cannot write in {existing} (read-only). The run writes its "
+            "checkpoints, logs and predictions there; give --trainer.default_root_dir a folder you can write in")
 
 
 def make_run_root(root: str | Path) -> Path:
     """Create the run root folder (``trainer.default_root_dir``) if needed; a file in its place, or in
-    place of a folder above it, is an error naming it instead of ``mkdir``'s bare ``FileExistsError``."""
+    place of a folder above it, or a read-only folder, is an error naming it (:func:`check_run_root`)
+    instead of ``mkdir``'s bare ``FileExistsError``."""
+    check_run_root(root)
     root = Path(root)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        in_the_way = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), root)
-        raise NotADirectoryError(
-            f"trainer.default_root_dir={root} cannot be a run folder: {in_the_way} is a file. The run root holds "
-            "the checkpoints, logs and predictions; give --trainer.default_root_dir a folder path (it is created), "
-            "or move the file away") from None
+    root.mkdir(parents=True, exist_ok=True)
     return root
 
 

@@ -22,7 +22,12 @@ Defaults shared by all tasks (each overridable from YAML or the command line):
   a resume whose data order, global batch, optimizer or schedule differ from the checkpoint's
   is refused unless ``--allow_changed`` names the differences, and a second ``fit`` in a run
   root in use is refused (:mod:`tasks.cli.resume`);
-- a flag placed before a ``--config`` that sets the same key is refused (the recipe would win).
+- a flag placed before a ``--config`` that sets the same key is refused (the recipe would win);
+- a refusal (a bad file, key or value, a run root that is a file, read-only or in use by another fit,
+  absent weights) prints ``error: <message> [raised at <file:line>; SUITE_DEBUG=1 shows the traceback]``
+  and exits 1 (:mod:`tasks.cli.errors`); a bug keeps its traceback;
+- `test` and `predict` replace an earlier run's outputs in their folder and mark it ``INCOMPLETE.txt``
+  until the last file is written (:mod:`tasks.outputs.common`).
 
 With ``--ckpt_path`` on ``validate``/``test``/``predict`` the checkpoint supplies the model:
 its saved constructor arguments (backbone and head, class names, category ids, vocabulary)
@@ -56,24 +61,23 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
-from backbones.download import WeightsUnavailable
-from backbones.timm_backbone import TimmRefusal
 from configs.recipes import EXPORT, CommandLine, import_class, merge, recipe_keys, resolve_recipes, split_command_line
 from configs.tasks import TaskDeclaration, task_declaration
 from layers.machine import AUTO, apply_cpu_plan, machine_cores, plan_cpu
 from tasks.cli.checkpoint_io import AtomicCheckpointIO
 from tasks.cli.determinism import check_deterministic
+from tasks.cli.errors import refusals_as_messages
 from tasks.cli.last_checkpoint import LAST_NAME, LatestCheckpoint
 from tasks.cli.links import link_image_size, link_weights
 from tasks.cli.loggers import (SaveConfigToRun, default_logger, link_wandb_runs, logger_summary,
                               route_loggers_to_run_root)
 from tasks.cli.preemption import Preemption, resume_command
 from tasks.cli.progress import LineProgress, stdout_is_terminal
-from tasks.cli.resume import ResumeGuard, RunLock, parse_allowed, resume_settings
+from tasks.cli.resume import ResumeGuard, RunLock, check_run_root, parse_allowed, resume_settings
 from tasks.cli.runtime import ThreadsFollowLoad, reuse_freed_memory
 from tasks.cli.sharding import check_sharding, sharded_strategy
 from tasks.cli.throughput import Throughput
-from tasks.engine.checkpoints import check_checkpoint_file, plain
+from tasks.engine.checkpoints import check_checkpoint_file, plain, read_checkpoint
 
 if TYPE_CHECKING:
     from tasks.export.onnx import ExportReport
@@ -87,21 +91,26 @@ def main(task: str, args: Sequence[str] | CommandLine | None = None, *, run: boo
 
     ``export`` needs no Trainer and is answered here, before any CLI exists; every other subcommand is a
     :class:`SuiteCLI`. ``args`` is the command line (``sys.argv[1:]`` when ``None``) or its split form, whose
-    recipes may be dicts (``tasks.run``); ``exit_on_error=False`` raises a bad argument instead of exiting."""
+    recipes may be dicts (``tasks.run``); ``exit_on_error=False`` raises a bad argument instead of exiting.
+
+    Run as the process's command (``args`` is ``None``: ``python -m tasks.<task>``), a refusal (a bad file, key
+    or value, a run root in use, absent weights) prints its message and exits 1, the traceback behind
+    ``SUITE_DEBUG=1`` (:mod:`tasks.cli.errors`); a caller that passes ``args`` gets the exception."""
+    if args is not None or not exit_on_error:
+        return _command(task, args, run=run, exit_on_error=exit_on_error)
+    with refusals_as_messages():
+        return _command(task, args, run=run, exit_on_error=True)
+
+
+def _command(task: str, args: Sequence[str] | CommandLine | None, *, run: bool,
+             exit_on_error: bool) -> "SuiteCLI | ExportReport":
     declaration = task_declaration(task)
     command = args if isinstance(args, CommandLine) else split_command_line(sys.argv[1:] if args is None else args)
     if command.subcommand == EXPORT:
         from tasks.export.command import run_export
 
         return run_export(command, import_class(declaration.module), prog=f"python -m tasks.{task} {EXPORT}")
-    try:
-        return SuiteCLI(declaration, command, run=run, exit_on_error=exit_on_error)
-    # registered weights neither here nor downloadable, a timm architecture that cannot do what was asked:
-    # one line, no traceback
-    except (WeightsUnavailable, TimmRefusal) as err:
-        if not exit_on_error:  # tasks.run and Python callers get the exception
-            raise
-        sys.exit(f"error: {err}")
+    return SuiteCLI(declaration, command, run=run, exit_on_error=exit_on_error)
 
 
 class SuiteCLI(LightningCLI):
@@ -236,6 +245,7 @@ class SuiteCLI(LightningCLI):
                     f"--ckpt_path last: there is no {last} to resume from (trainer.default_root_dir="
                     f"{trainer.default_root_dir}). Run without --ckpt_path to start afresh, or point "
                     "--trainer.default_root_dir at the interrupted run.")
+            read_checkpoint(last)  # an empty or truncated file (a copy cut short) is named before Lightning reads it
         route_loggers_to_run_root(config)
         self.wandb_group = link_wandb_runs(config, self.subcommand, self.checkpoint)
         if resume_last:
@@ -258,6 +268,13 @@ class SuiteCLI(LightningCLI):
         if is_launching_rank_zero(self.trainer):
             self.run_lock = RunLock(self.trainer.default_root_dir)
             self.run_lock.acquire()
+
+    def before_validate(self) -> None:
+        # a run root that is a file, or read-only: named now, not as an OSError from the first writer
+        # (fit's is checked as before_fit takes the run lock)
+        check_run_root(self.trainer.default_root_dir)
+
+    before_test = before_predict = before_validate
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         config = self.config_init.get(str(self.subcommand), self.config_init)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -60,16 +60,16 @@ def is_one_image(item: Any) -> bool:
 def read_image(item: Any) -> tuple[torch.Tensor, str]:
     """An input -> ((3, H, W) uint8 upright RGB pixels, its name): a path is read by
     :func:`datamodules.images.read_rgb` (EXIF orientation applied), a PIL image is turned upright by its
-    EXIF tag, an (H, W, 3) or (H, W) uint8 array and a (3, H, W) uint8 tensor are taken as they are."""
-    from PIL import Image, ImageOps
+    EXIF tag and a 16-bit one scaled as the same file would be (:func:`datamodules.images.pil_rgb`), an
+    (H, W, 3) or (H, W) uint8 array and a (3, H, W) uint8 tensor are taken as they are."""
+    from PIL import Image
 
-    from datamodules.images import read_rgb
+    from datamodules.images import pil_rgb, read_rgb
 
     if isinstance(item, (str, Path)):
         return read_rgb(item), str(item)
     if isinstance(item, Image.Image):
-        upright = ImageOps.exif_transpose(item).convert("RGB")
-        return torch.from_numpy(np.array(upright)).permute(2, 0, 1).contiguous(), getattr(item, "filename", "") or ""
+        return pil_rgb(item).contiguous(), getattr(item, "filename", "") or ""
     if isinstance(item, torch.Tensor):
         if item.dtype != torch.uint8 or item.ndim != 3 or item.shape[0] != 3:
             raise ValueError(f"an image tensor must be (3, H, W) uint8 RGB, got {tuple(item.shape)} {item.dtype}")
@@ -82,6 +82,43 @@ def read_image(item: Any) -> tuple[torch.Tensor, str]:
         return torch.from_numpy(np.array(rgb)).permute(2, 0, 1).contiguous(), ""
     raise TypeError(f"cannot predict on a {type(item).__name__}: give a file path, a PIL image, an (H, W, 3) uint8 "
                     "array or a (3, H, W) uint8 tensor")
+
+
+# -- a checkpoint's weights and this model ---------------------------------------------------------------
+def check_weights_fit(model: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose tensors have other shapes than ``model``'s (a resume after changing the
+    backbone's width), naming the constructor arguments that differ from the checkpoint's
+    (``model.backbone.init_args.width: checkpoint 0.25, this run 0.5``), before loading fails with a
+    size-mismatch traceback that names neither. Called as the checkpoint is restored, before its weights."""
+    saved = checkpoint.get("state_dict") or {}
+    own = model.state_dict()
+    wrong = [(key, tuple(value.shape), tuple(own[key].shape)) for key, value in saved.items()
+             if key in own and hasattr(value, "shape") and tuple(value.shape) != tuple(own[key].shape)]
+    if not wrong:
+        return
+    from tasks.engine.checkpoints import plain
+
+    theirs, ours = dotted(plain(checkpoint.get("hyper_parameters") or {})), dotted(plain(dict(model.hparams)))
+    changed = [f"model.{key}: checkpoint {theirs.get(key)!r}, this run {ours.get(key)!r}"
+               for key in sorted(theirs.keys() | ours.keys())
+               if not key.split(".")[-1].startswith("_") and key in theirs and key in ours and theirs[key] != ours[key]]
+    key, saved_shape, own_shape = wrong[0]
+    because = (f"its constructor arguments differ: {'; '.join(changed)}" if changed else
+               "the saved constructor arguments are the same (was the model's code changed?)")
+    raise ValueError(f"the checkpoint's weights do not fit this model: {len(wrong)} tensors have other shapes "
+                     f"({key}: checkpoint {list(saved_shape)}, this model {list(own_shape)}); {because}. Give the "
+                     "checkpoint's values to resume it, or train the new architecture from scratch (no --ckpt_path)")
+
+
+def dotted(arguments: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested arguments -> ``{"backbone.init_args.width": 0.25, ...}``."""
+    flat = {}
+    for key, value in arguments.items():
+        if isinstance(value, dict):
+            flat.update(dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 class Predictor:
@@ -120,6 +157,7 @@ class Predictor:
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
+        check_weights_fit(self, checkpoint)
         if self.input_spec is not None and self._fitting():
             return  # a resumed fit keeps the spec of the data it trains on
         self.input_spec = stored_input_spec(checkpoint, self.input_spec_rule) or self.input_spec
@@ -151,8 +189,13 @@ class Predictor:
         """Results for one input, or a list of results for a list of inputs (see :mod:`tasks.engine.predictor`), ``batch_size``
         (default :attr:`predict_batch_size`) at a time. ``options`` are the task's own (``top_k``,
         ``score_threshold``, ``beam_size``)."""
-        batch_size = batch_size or self.predict_batch_size
-        single = self.is_one_input(inputs)
+        if batch_size is None:
+            batch_size = self.predict_batch_size
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"predict: batch_size={batch_size!r}; give a positive number of inputs per forward "
+                             f"(default {self.predict_batch_size})")
+        # what is not a collection is one input, which the task names if it cannot read it (None, a number)
+        single = self.is_one_input(inputs) or not isinstance(inputs, Iterable)
         items = [inputs] if single else list(inputs)
         was_training = self.training
         self.eval()

@@ -16,21 +16,34 @@ Under ``<trainer.default_root_dir>/predictions/``:
 Pictures come last: the callbacks write ``metrics.json`` and the tables first, then draw through
 :func:`draw_after_metrics`, so a picture that cannot be drawn is a warning, never a `test` that ends
 without its numbers.
+
+An output folder never looks finished when it is not (:func:`begin_outputs`): as `test` starts, the
+earlier test's outputs in ``predictions/`` are removed (``predict/`` is kept) and ``INCOMPLETE.txt`` is
+written there; it is removed once every output is written. `predict` does the same in
+``predictions/predict/``. A second run into a run root therefore replaces the first one's outputs (what a
+re-run is for; refusing would make every re-test need a new run root), and one interrupted half-way leaves
+its partial files under ``INCOMPLETE.txt``, never beside an earlier run's ``metrics.json``. ``metrics.json``
+and the tables are written to a temporary name and renamed, so none is ever half a file.
 """
 from __future__ import annotations
 
 import csv
 import heapq
+import io
 import itertools
 import json
 import logging
 import math
+import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.utilities import rank_zero_info
 
 from tasks.outputs.media import MediaSink, media_sink
 
@@ -60,6 +73,44 @@ def gather(trainer: Trainer, items: list) -> list:
     return [item for rank_items in gathered for item in rank_items]
 
 
+#: the marker of an output folder being written (:func:`begin_outputs`)
+INCOMPLETE = "INCOMPLETE.txt"
+
+
+def begin_outputs(trainer: Trainer, folder: Path, what: str, keep: tuple[str, ...] = ()) -> None:
+    """Before `test` or `predict` (``what``) writes into ``folder``: rank 0 removes what an earlier run wrote
+    there (every entry but the names in ``keep``), saying so, and writes :data:`INCOMPLETE` there, which
+    :func:`finish_outputs` removes; every rank waits for it, so no rank writes a file that is then removed."""
+    if trainer.global_rank == 0:
+        earlier = sorted(p for p in folder.iterdir() if p.name not in keep) if folder.is_dir() else []
+        for path in earlier:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        if earlier:
+            rank_zero_info(f"{what}: removed the earlier outputs in {folder} ({', '.join(p.name for p in earlier[:6])}"
+                           f"{', ...' if len(earlier) > 6 else ''}); this run writes its own")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / INCOMPLETE).write_text(
+            f"`{what}` began writing here at {time.strftime('%Y-%m-%d %H:%M:%S')} and has not finished: the files "
+            f"beside this one are partial. A `{what}` that ends removes this file; the next one replaces them.\n")
+    trainer.strategy.barrier("outputs-begun")
+
+
+def finish_outputs(trainer: Trainer, folder: Path) -> None:
+    """Every output of the run is written: rank 0 removes :data:`INCOMPLETE` from ``folder``."""
+    if trainer.global_rank == 0:
+        (folder / INCOMPLETE).unlink(missing_ok=True)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``text`` (UTF-8, ``\\n`` line ends) to ``path`` through a temporary file beside it and a rename: a reader
+    sees the old file, no file, or the whole new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    with open(partial, "w", encoding="utf-8", newline="\n") as f:
+        f.write(text)
+    os.replace(partial, path)
+
+
 class TestRows(Callback):
     """Collects the list each ``test_step`` output carries under :attr:`key`, gathers it over ranks at
     the end of `test` and hands it to :meth:`write` on rank 0. Subclasses write one file."""
@@ -87,16 +138,25 @@ class TestRows(Callback):
 
 class MetricsJson(Callback):
     """``predictions/metrics.json``: metric name -> value, the numbers `test` logged (the task's
-    ``test_metrics``), plus the model's ``params``, ``gflops`` and ``gmacs`` at the evaluation size."""
+    ``test_metrics``), plus the model's ``params``, ``gflops`` and ``gmacs`` at the evaluation size.
+
+    The first of the test outputs, it also keeps the folder honest (:func:`begin_outputs`): the earlier test's
+    files go as `test` starts, and ``INCOMPLETE.txt`` stays until the whole stage has ended (``teardown``, which
+    Lightning calls only after every ``on_test_end``, and not after an interruption or an error)."""
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        begin_outputs(trainer, predictions_dir(trainer), "test", keep=(predict_dir(trainer).name,))
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "test":
+            finish_outputs(trainer, predictions_dir(trainer))
 
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         metrics = getattr(pl_module, "test_metrics", None)
         if trainer.global_rank != 0 or metrics is None:
             return
-        folder = predictions_dir(trainer)
-        folder.mkdir(parents=True, exist_ok=True)
         values = {k: float(v) for k, v in metrics.items()} | pl_module.model_cost()
-        (folder / "metrics.json").write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+        write_atomically(predictions_dir(trainer) / "metrics.json", json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
 class WorstSamples(Callback):
@@ -162,10 +222,24 @@ class PredictWriter(BasePredictionWriter):
     """Base of each task's `predict` output: Lightning hands it every ``predict_step`` result of this rank
     at the end; it gathers them and writes on rank 0 (:meth:`write`). A writer of per-image files that
     need no gather (masks) takes ``write_interval="batch"`` and overrides ``write_on_batch_end``, so no
-    batch is kept. :meth:`destination` is what the CLI prints as where `predict` wrote."""
+    batch is kept. :meth:`destination` is what the CLI prints as where `predict` wrote.
+
+    A writer into ``predictions/predict/`` (:attr:`writes_folder`) replaces an earlier `predict`'s files there
+    and marks the folder :data:`INCOMPLETE` until it has written everything (:func:`begin_outputs`)."""
+
+    #: whether the writer writes into ``predictions/predict/`` (translation writes one file it is given)
+    writes_folder = True
 
     def __init__(self, write_interval: str = "epoch"):
         super().__init__(write_interval=write_interval)
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.writes_folder:
+            begin_outputs(trainer, predict_dir(trainer), "predict")
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "predict" and self.writes_folder:
+            finish_outputs(trainer, predict_dir(trainer))
 
     def destination(self, trainer: Trainer) -> str:
         return str(predict_dir(trainer).resolve())
@@ -359,11 +433,12 @@ def with_caption(image: torch.Tensor, lines: list[str], min_width: int = 256):
 
 
 def write_worst_csv(path: Path, columns: list[str], rows: list[list[Any]], delimiter: str = ",") -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f, delimiter=delimiter, lineterminator="\n")
-        writer.writerow(columns)
-        writer.writerows(rows)
+    """A table (``columns`` then ``rows``) as CSV or TSV, written atomically (:func:`write_atomically`)."""
+    text = io.StringIO()
+    writer = csv.writer(text, delimiter=delimiter, lineterminator="\n")
+    writer.writerow(columns)
+    writer.writerows(rows)
+    write_atomically(path, text.getvalue())
 
 
 def draw_after_metrics(draw: Callable[[], None], what: str) -> None:

@@ -24,7 +24,7 @@ from lightning.pytorch import Callback
 
 from datamodules.images import output_names, read_rgb
 from tasks.outputs.common import (PredictWriter, TestRows, WorstSamples, draw_after_metrics, predictions_dir,
-                                  write_worst_csv)
+                                  write_atomically, write_worst_csv)
 from tasks.outputs.media import Boxes, drawable_boxes, media_sink, stretched
 
 
@@ -56,8 +56,7 @@ class DetectionsJson(TestRows):
         per_image = dict(reversed(rows))  # the first copy of an image, as the metric keeps
         records = [r for image_id in sorted(per_image)
                    for r in coco_records(per_image[image_id], pl_module.category_ids, image_id=image_id)]
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "detections.json").write_text(json.dumps(records))
+        write_atomically(folder / "detections.json", json.dumps(records))
 
 
 class PerClassAP(Callback):

@@ -19,7 +19,7 @@ from typing import Iterator, TextIO
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from tasks.outputs.common import predictions_dir, PredictWriter, write_worst_csv
+from tasks.outputs.common import predictions_dir, PredictWriter, write_atomically, write_worst_csv
 from tasks.outputs.media import media_sink
 from tasks.metrics.bleu import bleu_signature, sentence_bleu, sentence_chrf
 
@@ -28,10 +28,9 @@ COLUMNS = ["line", "bleu", "chrf", "source", "reference", "hypothesis"]
 
 
 def write_lines(path: Path, lines: list[str]) -> None:
-    """``lines``, one per line, UTF-8 with ``\\n`` line ends on every platform."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8", newline="\n") as f:
-        f.writelines(line + "\n" for line in lines)
+    """``lines``, one per line, UTF-8 with ``\\n`` line ends on every platform, written atomically (an
+    interrupted run leaves the earlier file or none, never part of one)."""
+    write_atomically(path, "".join(line + "\n" for line in lines))
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -73,8 +72,7 @@ class BleuSignatureTxt(SentencesFile):
 
     def write(self, folder: Path, sentences: list) -> None:
         signature = bleu_signature([s[3] for s in sentences], [s[2] for s in sentences])
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "bleu_signature.txt").write_text(signature + "\n", encoding="utf-8")
+        write_atomically(folder / "bleu_signature.txt", signature + "\n")
 
 
 class HypothesesTsv(SentencesFile):
@@ -156,6 +154,8 @@ class PredictedTranslations(PredictWriter):
 
     ``output``: a file, or ``-`` for standard output, which the writer keeps for the translations alone while
     `predict` runs (:func:`standard_output_kept`). ``stream``: where the translations go instead (Python use)."""
+
+    writes_folder = False  # one file, written atomically, or a stream: nothing in predictions/predict/
 
     def __init__(self, output: str, stream: TextIO | None = None):
         super().__init__()
