@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -66,6 +67,47 @@ def resize_to_multiple(x: torch.Tensor, multiple: tuple[int, int], align_corners
     if (new_h, new_w) == (h, w):
         return x
     return F.interpolate(x, size=(new_h, new_w), mode="bilinear", align_corners=align_corners)
+
+
+def unfold_patches(x: torch.Tensor, patch_size: tuple[int, int]) -> torch.Tensor:
+    """Channels-last map (B, H, W, D) -> (B, P, N, D): the N = (H/ph)(W/pw) pixels at each of the
+    P = ph*pw positions inside the patches, i.e. MobileViT's sequences (CVNets' ``unfolding``).
+
+    Written with tensors of rank <= 5 (Core ML's limit): the one rank-6 permute
+    (B, H/ph, ph, W/pw, pw, D) -> (B, ph, pw, H/ph, W/pw, D) is two rank-5 transposes, each a copy."""
+    b, h, w, d = x.shape
+    (ph, pw), nh, nw = patch_size, h // patch_size[0], w // patch_size[1]
+    x = x.reshape(b * nh, ph, nw, pw, d).transpose(2, 3)  # (B*nh, ph, pw, nw, D)
+    x = x.reshape(b, nh, ph * pw, nw, d).transpose(1, 2)  # (B, P, nh, nw, D)
+    return x.reshape(b, ph * pw, nh * nw, d)
+
+
+def fold_patches(x: torch.Tensor, patch_size: tuple[int, int], size: tuple[int, int]) -> torch.Tensor:
+    """(B, P, N, D) -> channels-last (B, H, W, D) of ``size`` (H, W): the inverse of
+    :func:`unfold_patches`, also with tensors of rank <= 5."""
+    b, _, _, d = x.shape
+    (ph, pw), (h, w) = patch_size, size
+    nh, nw = h // ph, w // pw
+    x = x.reshape(b, ph * pw, nh, nw, d).transpose(1, 2)  # (B, nh, P, nw, D)
+    x = x.reshape(b * nh, ph, pw, nw, d).transpose(2, 3)  # (B*nh, ph, nw, pw, D)
+    return x.reshape(b, h, w, d)
+
+
+@contextmanager
+def coreml_layout(module: nn.Module) -> Iterator[nn.Module]:
+    """Within the ``with``, every MobileViTv2 block in ``module`` runs its transformer on unfolded
+    (B, P, N, D) sequences (:func:`unfold_patches`), so that no tensor has rank > 5: Core ML's limit,
+    which the blocks' rank-6 patch grid exceeds. Values are equal to the grid path's (to float
+    rounding); the grid path is restored on exit. MobileViT v1 blocks always unfold with rank <= 5."""
+    blocks = [m for m in module.modules() if hasattr(m, "coreml_layout")]
+    previous = [block.coreml_layout for block in blocks]
+    for block in blocks:
+        block.coreml_layout = True
+    try:
+        yield module
+    finally:
+        for block, value in zip(blocks, previous):
+            block.coreml_layout = value
 
 
 def dilated_stage_plan(

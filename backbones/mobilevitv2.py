@@ -24,6 +24,10 @@ equals the reference's (tested to 1e-5 against timm). The backbone converts its
 input to ``torch.channels_last`` once, so the block's NCHW <-> NHWC permutes are
 views, not copies. Per training step on a GPU this launches fewer kernels and moves
 fewer bytes than timm's ``mobilevitv2_*`` (``benchmarks/results_kernels.md``).
+That grid view has rank 6, more than Core ML holds: within
+``backbones.mobilevit_common.coreml_layout(model)`` (which Core ML conversion uses) the blocks
+unfold the map into (B, P, N, D) sequences with rank-5 ops instead, equal in value; it stays a
+switch because it copies the map twice more each way (slower in training on CPU too).
 
 Input sizes: any H, W. Where a MobileViTv2 block's input is not a multiple of
 the patch size, it is resized (bilinear, align_corners=True) up to the next
@@ -38,9 +42,11 @@ import torch.nn as nn
 from backbones.mobilevit_common import (
     Stage,
     StagedBackbone,
+    fold_patches,
     make_divisible,
     register_mobilevit_converters,
     resize_to_multiple,
+    unfold_patches,
 )
 from backbones.registry import register_backbone
 from layers.conv import ConvNormAct
@@ -96,13 +102,33 @@ class MobileViTv2Block(nn.Module):
         )
         self.norm = ChannelsLastGroupNorm(1, attn_dim)
         self.proj = ConvNormAct(attn_dim, channels, 1, act=None)
+        # False: the transformer mixes the rank-6 patch grid of the map (no unfold copy; the fast path);
+        # True: it runs on unfolded (B, P, N, D) sequences, rank <= 5 throughout, as Core ML requires
+        # (set by ``backbones.mobilevit_common.coreml_layout``)
+        self.coreml_layout = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = resize_to_multiple(x, self.patch_size, align_corners=True)
         x = self.local_conv(x)
         x = self.to_tokens(x.permute(0, 2, 3, 1))  # (B, H, W, D)
-        x = self.norm(self.transformer(x))
+        if self.coreml_layout:
+            sequences = self._transform_unfolded(unfold_patches(x, self.patch_size))
+            x = fold_patches(sequences, self.patch_size, x.shape[1:3])
+        else:
+            x = self.norm(self.transformer(x))
         return self.proj(x.permute(0, 3, 1, 2))
+
+    def _transform_unfolded(self, x: torch.Tensor) -> torch.Tensor:
+        """``norm(transformer(.))`` on the unfolded sequences (B, P, N, D), every tensor of rank <= 4.
+
+        Each layer is its :class:`TransformerBlock`'s training-mode forward (dropout and stochastic
+        depth are identities in eval) with the attention on the (B*P, N, D) sequences; the one-group
+        norms of (B, P, N, D) take the same per-image statistics as on the (B, H, W, D) map."""
+        for layer in self.transformer:
+            attended = layer.attn(layer.norm1(x).flatten(0, 1)).view_as(x)
+            x = x + layer.drop_path(layer.proj_drop(attended))
+            x = x + layer.drop_path(layer.mlp(layer.norm2(x)))
+        return self.norm(x)
 
 
 @register_backbone("mobilevitv2")
