@@ -16,8 +16,10 @@ import torch
 import torch.nn as nn
 
 import heads.ssdlite  # noqa: F401  (registers torch.ops.suite.nms_keep_mask, which the graph calls)
+from heads.ssdlite import SSDLiteOutputs
 from tasks.export.onnx import (ATOL, BOX_ATOL, Check, ExportReport, ExportRequest, export_graph, image_metadata,
                                io_note, ort_session, run_torch, seeded_images, size_note)
+from tasks.export.programs import TaskProgram, image_program
 
 #: the command's own flags, with their help
 FLAGS: dict[str, str] = {}
@@ -70,6 +72,76 @@ class DetectorGraph(nn.Module):
         return tuple(head.select(*head.scores_and_boxes(self.task(images), images.shape[-2:])))
 
 
+class RawDetectorGraph(nn.Module):
+    """images (B, 3, S, S) -> the head's outputs, :class:`heads.ssdlite.SSDLiteOutputs`: ``cls_logits
+    (B, A, K + 1)`` (background first), ``box_regression (B, A, 4)`` and ``anchors (A, 4)`` (cx, cy, w, h as
+    fractions of the input's sides, a constant). The graph of the targets without the in-graph selection:
+    decoding and NMS run outside (:meth:`heads.ssdlite.SSDLiteHead.postprocess`), since NMS is a custom op
+    with no ExecuTorch kernel and implemented in Python, which an AOTInductor package cannot call."""
+
+    def __init__(self, task: nn.Module):
+        super().__init__()
+        self.task = task
+
+    def forward(self, images: torch.Tensor):
+        return tuple(self.task(images))
+
+
+#: the score ``test`` logs (a fraction) in points
+SCORE_POINTS = 100.0
+RAW_DOCS = {"images": "float32 (batch, 3, size, size), RGB, (pixels / 255 - mean) / std",
+            "cls_logits": "float32 (batch, anchors, classes + 1), background first",
+            "box_regression": "float32 (batch, anchors, 4), box codes relative to the anchors "
+                              "(suite.center_variance, suite.size_variance)",
+            "anchors": "float32 (anchors, 4), cx, cy, w, h as fractions of the input's sides"}
+
+
+def metadata_of(model: nn.Module) -> dict:
+    head = model.head
+    return {"task": "detection", "category_ids": model.category_ids, "category_names": model.category_names,
+            "score_threshold": head.score_threshold, "nms_threshold": head.nms_threshold,
+            "topk_candidates": head.topk_candidates, "detections_per_image": head.detections_per_image}
+
+
+def program(request: ExportRequest) -> TaskProgram:
+    """The raw network for the torch.export targets: decoding and NMS run outside, as ``postprocess``."""
+    model = request.model
+    coder = model.head.box_coder
+    metadata = {**metadata_of(model), "center_variance": coder.center_variance, "size_variance": coder.size_variance,
+                "selection": "outside the graph: decode, per-class top-k, threshold, per-class NMS, best "
+                             "detections_per_image (heads.ssdlite.SSDLiteHead.postprocess)"}
+    found = image_program(request, RawDetectorGraph(model), ["cls_logits", "box_regression", "anchors"], RAW_DOCS,
+                          metadata, fixed_reason="the anchors are constants of the graph")
+    found.notes.append("decoding and NMS outside the graph (NMS is a Python custom op): SSDLiteHead.postprocess")
+    return found
+
+
+def score_with(model: nn.Module, runners: dict, target: str) -> None:
+    """Make ``model``'s ``test`` run the exported graph. A program of the raw head (every target but ONNX)
+    replaces the forward and ``test`` decodes and selects as ever; the ONNX graph selects inside, so the
+    forward stays (``test``'s loss needs the raw outputs) and the graph's detections replace
+    ``postprocess``'s, their boxes scaled from the input's pixels to each original image's."""
+    run = runners["model"]
+    if target != "onnx":
+        model.forward = lambda images: SSDLiteOutputs(*run(images))
+        return
+    forward, inputs = model.forward, {}
+
+    def keep_images(images: torch.Tensor):
+        inputs["images"] = images
+        return forward(images)
+
+    def postprocess(outputs, image_size, original_sizes=None):
+        boxes, scores, labels, counts = run(inputs["images"])
+        if original_sizes is not None:
+            sizes = torch.as_tensor(original_sizes, dtype=torch.float32).reshape(-1, 2)
+            boxes = boxes * (sizes / torch.tensor(image_size, dtype=torch.float32))[:, [1, 0, 1, 0]].unsqueeze(1)
+        return [{"boxes": b[:n], "scores": s[:n], "labels": c[:n]}
+                for b, s, c, n in zip(boxes, scores, labels, counts.tolist())]
+
+    model.forward, model.head.postprocess = keep_images, postprocess
+
+
 def export(request: ExportRequest) -> ExportReport:
     """Write the graph(s) of ``request.model`` to ``request.output``, run them with ONNX Runtime and compare."""
     model, output, opset = request.model, request.output, request.opset
@@ -77,17 +149,13 @@ def export(request: ExportRequest) -> ExportReport:
     graph = DetectorGraph(model).eval()
     images = seeded_images(2, size, size)
     run_torch(model, images, model.backbone, trained)  # also caches the anchors for this size
-    head = model.head
     docs = {"images": "float32 (batch, 3, size, size), RGB, (pixels / 255 - mean) / std",
             "boxes": "float32 (batch, detections, 4) x1, y1, x2, y2 in input pixels; rows >= num_detections are 0",
             "scores": "float32 (batch, detections), best first; rows >= num_detections are 0",
             "labels": "int64 (batch, detections), label i = suite.category_ids[i] / suite.category_names[i]; "
                       "rows >= num_detections are -1",
             "num_detections": "int64 (batch,), how many rows of each image are detections"}
-    metadata = {"task": "detection", "category_ids": model.category_ids, "category_names": model.category_names,
-                "score_threshold": head.score_threshold, "nms_threshold": head.nms_threshold,
-                "topk_candidates": head.topk_candidates, "detections_per_image": head.detections_per_image,
-                **image_metadata(request.spec, size, None)}
+    metadata = {**metadata_of(model), **image_metadata(request.spec, size, None)}
     export_graph(graph, (images,), output, ["images"], ["boxes", "scores", "labels", "num_detections"],
                  {"images": {0: "batch"}}, opset, metadata, docs, CUSTOM_TRANSLATIONS)
     report = ExportReport([output], [size_note(None, size, "the anchors are constants of the graph")])

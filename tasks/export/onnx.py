@@ -82,6 +82,16 @@ def ort_session(path: str | Path):
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
+def session_runner(session):
+    """An ONNX Runtime session as a callable of tensors (its inputs in order) -> tuple of tensors."""
+    names = [value.name for value in session.get_inputs()]
+
+    def run(*inputs: torch.Tensor) -> tuple:
+        return tuple(torch.from_numpy(out) for out in session.run(None, {n: x.numpy() for n, x in zip(names, inputs)}))
+
+    return run
+
+
 def read_metadata(session) -> dict[str, Any]:
     """The ``suite.*`` metadata of an ONNX Runtime session's model, JSON values decoded."""
     out = {}
@@ -236,3 +246,32 @@ def parity_images(sides: Sequence[int]):
         images = seeded_images(2 if i == 0 else 1, side, side, seed=i)
         yield images, f"{len(images)} random {side}x{side} image(s)"
 
+
+
+def quantize_onnx(source: Path, target: Path, calibration: Sequence[torch.Tensor]) -> Path:
+    """``source``'s graph quantized statically by ONNX Runtime (QDQ, int8 activations and per-channel int8
+    weights) into ``target``, calibrated on the ``images`` batches of ``calibration``; the metadata is kept,
+    with ``suite.int8 = true``."""
+    import onnx
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Batches(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter(calibration)
+
+        def get_next(self):
+            images = next(self.batches, None)
+            return None if images is None else {"images": images.numpy()}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_static(str(source), str(target), Batches(), quant_format=QuantFormat.QDQ, per_channel=True,
+                        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)
+    model = onnx.load(str(target))
+    kept = {p.key: p.value for p in onnx.load(str(source), load_external_data=False).metadata_props}
+    kept["suite.int8"] = "true"
+    del model.metadata_props[:]
+    for key, value in kept.items():
+        model.metadata_props.add(key=key, value=value)
+    onnx.save(model, str(target))
+    return target

@@ -32,7 +32,9 @@ import torch.nn.functional as F
 from heads.decoding import Hypotheses, beam_search, greedy_search, max_output_lengths
 from heads.seq2seq import padding_bias
 from layers.attention import KVCache
-from tasks.export.onnx import ATOL, Check, ExportReport, ExportRequest, export_graph, io_note, ort_session, read_metadata
+from tasks.export.onnx import (ATOL, Check, ExportReport, ExportRequest, export_graph, io_note, ort_session, read_metadata,
+                               session_runner)
+from tasks.export.programs import ProgramGraph, TaskProgram
 
 #: the command's own flags, with their help
 FLAGS: dict[str, str] = {}
@@ -106,44 +108,90 @@ def translation_files(output: Path) -> dict[str, Path]:
             "tokenizer": stem.with_name(stem.name + ".spm.model")}
 
 
+KV_DOC = "float32 (N, 2 * layers, heads, {}, head_dim): layer i's keys at 2i, values at 2i + 1"
+DOCS = {"src": "int64 (batch, source_length) token ids ending in eos, then pad_id",
+        "cross_kv": KV_DOC.format("source_length") + " (cross-attention over the source)",
+        "source_padding": "bool (batch, source_length), True at padding",
+        "tokens": "int64 (N, 1), the newest token of each hypothesis (bos at the first step)",
+        "past_kv": KV_DOC.format("t") + " of the t tokens before (t = 0 at the first step)",
+        "logits": "float32 (N, vocab_size), scores of the next token",
+        "present_kv": KV_DOC.format("t + 1") + ", the next step's past_kv"}
+ENCODER_IO = (["src"], ["cross_kv", "source_padding"])
+STEP_IO = (["tokens", "cross_kv", "source_padding", "past_kv"], ["logits", "present_kv"])
+#: BLEU, as ``test`` logs it, is already in points
+SCORE_POINTS = 1.0
+
+
+def metadata_of(model: nn.Module) -> dict:
+    """What a translator needs besides the graphs: token ids, search settings, the cache's shape."""
+    decoder = model.decoder
+    attention = decoder.layers[0].cross_attn
+    return {"task": "translation", "bos_id": model.bos_id, "eos_id": model.eos_id, "pad_id": model.pad_id,
+            "max_positions": model.max_positions, "max_len_a": model.max_len_a, "max_len_b": model.max_len_b,
+            "beam_size": model.beam_size, "length_penalty": model.length_penalty,
+            "length_penalty_form": model.length_penalty_form, "num_layers": decoder.depth,
+            "num_heads": attention.num_heads, "head_dim": attention.head_dim,
+            "vocab_size": decoder.embed.tokens.num_embeddings}
+
+
+def example_inputs(model: nn.Module, past_length: int = 3) -> tuple[torch.Tensor, tuple]:
+    """(4 seeded random sources, the decoder step's inputs for them after ``past_length`` tokens)."""
+    generator = torch.Generator().manual_seed(0)
+    src = random_sources(4, 12, model, generator)
+    with torch.no_grad():
+        cross_kv, padding = TranslationEncoderGraph(model).eval()(src)
+    meta = metadata_of(model)
+    tokens = torch.full((len(src), 1), model.bos_id, dtype=torch.long)
+    past = torch.randn(len(src), 2 * meta["num_layers"], meta["num_heads"], past_length, meta["head_dim"],
+                       generator=generator)
+    return src, (tokens, cross_kv, padding, past)
+
+
+def program(request: ExportRequest) -> TaskProgram:
+    """The encoder and the cached decoder step for the torch.export targets, their batch (the number of
+    hypotheses), source length and past length dynamic; the tokenizer is written beside them."""
+    from tasks.export.programs import MAX_BATCH
+
+    model = request.model
+    src, step_inputs = example_inputs(model)
+    longest = model.max_positions - 1
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    source = torch.export.Dim("source_length", min=2, max=longest)
+    past = torch.export.Dim("past_length", min=0, max=longest)
+    _, zero_past = example_inputs(model, past_length=0)
+    encoder = ProgramGraph("encoder", TranslationEncoderGraph(model).eval(), (src,), *ENCODER_IO,
+                           ({0: batch, 1: source},), [((src,), "4 random sources")])
+    step = ProgramGraph("decoder_step", TranslationDecoderStep(model).eval(), step_inputs, *STEP_IO,
+                        ({0: batch}, {0: batch, 3: source}, {0: batch, 1: source}, {0: batch, 3: past}),
+                        [(step_inputs, "a decoder step after 3 tokens"), (zero_past, "the first decoder step")])
+    return TaskProgram([encoder, step], metadata_of(model), DOCS, {"spm.model": model.tokenizer.serialized()},
+                       int8_refusal="INT8 is built for the image tasks (static quantization calibrated on "
+                                    "images); translation has no calibration path",
+                       notes=[f"batch up to {MAX_BATCH} hypotheses per call (larger batches are split), "
+                              f"source and decoded length up to {longest}"])
+
+
+def score_with(model: nn.Module, runners: dict, target: str) -> None:
+    """Make ``model``'s ``test`` translate with the exported graphs (greedy or beam search as ever, every
+    step one call of the decoder step program)."""
+    translator = GraphTranslator(runners["encoder"], runners["decoder_step"], metadata_of(model), model.tokenizer)
+    model.translate = lambda src, beam_size=None, src_padded=None: translator.translate_ids(src, beam_size)
+
+
 def export(request: ExportRequest) -> ExportReport:
     """Write the graph(s) of ``request.model`` to ``request.output``, run them with ONNX Runtime and compare."""
     model, opset = request.model, request.opset
     files = translation_files(request.output)
-    decoder = model.decoder
-    layers, heads = decoder.depth, decoder.layers[0].cross_attn.num_heads
-    head_dim = decoder.layers[0].cross_attn.head_dim
-    generator = torch.Generator().manual_seed(0)
-    src = random_sources(4, 12, model, generator)
-    encoder_graph = TranslationEncoderGraph(model).eval()
-    with torch.no_grad():
-        cross_kv, padding = encoder_graph(src)
-    step_graph = TranslationDecoderStep(model).eval()
-    tokens = torch.full((len(src), 1), model.bos_id, dtype=torch.long)
-    past = torch.randn(len(src), 2 * layers, heads, 3, head_dim, generator=generator)
-    metadata = {"task": "translation", "bos_id": model.bos_id, "eos_id": model.eos_id, "pad_id": model.pad_id,
-                "max_positions": model.max_positions, "max_len_a": model.max_len_a, "max_len_b": model.max_len_b,
-                "beam_size": model.beam_size, "length_penalty": model.length_penalty,
-                "length_penalty_form": model.length_penalty_form, "num_layers": layers,
-                "num_heads": heads, "head_dim": head_dim, "vocab_size": decoder.embed.tokens.num_embeddings,
-                "encoder": files["encoder"].name, "decoder_step": files["decoder_step"].name,
+    src, (tokens, cross_kv, padding, past) = example_inputs(model)
+    encoder_graph, step_graph = TranslationEncoderGraph(model).eval(), TranslationDecoderStep(model).eval()
+    metadata = {**metadata_of(model), "encoder": files["encoder"].name, "decoder_step": files["decoder_step"].name,
                 "tokenizer": files["tokenizer"].name}
-    kv_doc = "float32 (N, 2 * layers, heads, {}, head_dim): layer i's keys at 2i, values at 2i + 1"
-    docs = {"src": "int64 (batch, source_length) token ids ending in eos, then pad_id",
-            "cross_kv": kv_doc.format("source_length") + " (cross-attention over the source)",
-            "source_padding": "bool (batch, source_length), True at padding",
-            "tokens": "int64 (N, 1), the newest token of each hypothesis (bos at the first step)",
-            "past_kv": kv_doc.format("t") + " of the t tokens before (t = 0 at the first step)",
-            "logits": "float32 (N, vocab_size), scores of the next token",
-            "present_kv": kv_doc.format("t + 1") + ", the next step's past_kv"}
     source_axes = {0: "batch", 1: "source_length"}
-    export_graph(encoder_graph, (src,), files["encoder"], ["src"], ["cross_kv", "source_padding"],
-                 {"src": source_axes}, opset, metadata, docs)
+    export_graph(encoder_graph, (src,), files["encoder"], *ENCODER_IO, {"src": source_axes}, opset, metadata, DOCS)
     step_axes = {"tokens": {0: "batch"}, "cross_kv": {0: "batch", 3: "source_length"},
                  "source_padding": source_axes, "past_kv": {0: "batch", 3: "past_length"}}
-    export_graph(step_graph, (tokens, cross_kv, padding, past), files["decoder_step"],
-                 ["tokens", "cross_kv", "source_padding", "past_kv"], ["logits", "present_kv"], step_axes, opset,
-                 metadata, docs)
+    export_graph(step_graph, (tokens, cross_kv, padding, past), files["decoder_step"], *STEP_IO, step_axes, opset,
+                 metadata, DOCS)
     files["tokenizer"].write_bytes(model.tokenizer.serialized())
     translator = OnnxTranslator(files["encoder"])
     report = ExportReport(list(files.values()), [
@@ -159,12 +207,21 @@ def export(request: ExportRequest) -> ExportReport:
                                              "source_padding": padding.numpy(), "past_kv": past.numpy()})
     report.checks.append(Check("max |logits| difference of a decoder step", float(np.abs(got[0] - step[0].numpy()).max()),
                                ATOL))
+    report.checks += hypothesis_checks(model, src, translator)
+    return report
+
+
+def hypothesis_checks(model: nn.Module, src: torch.Tensor, translator: "GraphTranslator") -> list[Check]:
+    """Rows whose hypotheses differ between the model's search and ``translator``'s, greedy and with the
+    checkpoint's beam."""
+    checks = []
     for beam in sorted({1, model.beam_size}):
         expected = model.translate(src, beam_size=beam).tokens
         hypotheses = translator.translate_ids(src, beam_size=beam).tokens
-        report.checks.append(Check(f"hypotheses that differ, 4 random sources, {'greedy' if beam == 1 else f'beam {beam}'}",
-                                   hypothesis_differences(expected, hypotheses, model.pad_id), 0))
-    return report
+        checks.append(Check(f"hypotheses that differ, {len(src)} random sources, "
+                            f"{'greedy' if beam == 1 else f'beam {beam}'}",
+                            hypothesis_differences(expected, hypotheses, model.pad_id), 0))
+    return checks
 
 
 def random_sources(count: int, longest: int, model, generator: torch.Generator) -> torch.Tensor:
@@ -195,71 +252,54 @@ class OnnxDecoderCache:
     """The self-attention keys/values of the tokens decoded so far, ``past_kv (N, 2L, H, t, d)``, and the
     graph's cross-attention inputs repeated for each of a sentence's hypotheses."""
 
-    def __init__(self, past: np.ndarray):
+    def __init__(self, past: torch.Tensor):
         self.past = past
-        self.cross_kv: np.ndarray | None = None
-        self.source_padding: np.ndarray | None = None
+        self.cross_kv: torch.Tensor | None = None
+        self.source_padding: torch.Tensor | None = None
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (beam search's surviving hypotheses), in that order."""
-        self.past = self.past[index.numpy()]
+        self.past = self.past[index]
 
 
 class OnnxDecoder:
-    """The decoder interface of :mod:`heads.decoding` on ONNX Runtime: ``memory`` is the encoder
-    graph's ``cross_kv`` (B, 2L, H, S, d), and a call runs one cached step for the newest token
-    of each of the N = K * B hypotheses (a sentence's K hypotheses in consecutive rows)."""
+    """The decoder interface of :mod:`heads.decoding` on an exported decoder step (ONNX Runtime or a
+    torch.export target): ``memory`` is the encoder graph's ``cross_kv`` (B, 2L, H, S, d), and a call runs
+    one cached step for the newest token of each of the N = K * B hypotheses (a sentence's K hypotheses in
+    consecutive rows). ``step(tokens, cross_kv, source_padding, past_kv) -> (logits, present_kv)``."""
 
-    def __init__(self, session, num_layers: int, num_heads: int, head_dim: int):
-        self.session = session
+    def __init__(self, step, num_layers: int, num_heads: int, head_dim: int):
+        self.step = step
         self.kv_shape = (2 * num_layers, num_heads, 0, head_dim)
 
     def new_cache(self) -> OnnxDecoderCache:
-        return OnnxDecoderCache(np.zeros((0, *self.kv_shape), dtype=np.float32))
+        return OnnxDecoderCache(torch.zeros(0, *self.kv_shape))
 
     def __call__(self, tgt: torch.Tensor, memory: torch.Tensor, memory_padding_mask: torch.Tensor | None,
                  cache: OnnxDecoderCache | None = None) -> torch.Tensor:
         """tgt (N, 1) newest tokens -> logits (N, 1, V); appends the step's keys/values to ``cache``."""
         if cache is None:
-            raise ValueError("the ONNX decoder runs one cached step at a time: search with use_cache=True")
+            raise ValueError("the exported decoder runs one cached step at a time: search with use_cache=True")
         n = tgt.shape[0]
         if cache.cross_kv is None:  # the first step: no token before; the graph takes the memory per hypothesis
             hypotheses = n // memory.shape[0]
             padding = (memory_padding_mask if memory_padding_mask is not None
                        else torch.zeros(memory.shape[0], memory.shape[3], dtype=torch.bool))
-            cache.cross_kv = memory.repeat_interleave(hypotheses, dim=0).numpy()
-            cache.source_padding = padding.repeat_interleave(hypotheses, dim=0).numpy()
-            cache.past = np.zeros((n, *self.kv_shape), dtype=np.float32)
-        logits, cache.past = self.session.run(None, {
-            "tokens": tgt.numpy(), "cross_kv": cache.cross_kv, "source_padding": cache.source_padding,
-            "past_kv": cache.past})
-        return torch.from_numpy(logits).unsqueeze(1)
+            cache.cross_kv = memory.repeat_interleave(hypotheses, dim=0).contiguous()
+            cache.source_padding = padding.repeat_interleave(hypotheses, dim=0).contiguous()
+            cache.past = torch.zeros(n, *self.kv_shape)
+        logits, cache.past = self.step(tgt.contiguous(), cache.cross_kv, cache.source_padding, cache.past)
+        return logits.unsqueeze(1)
 
 
-class OnnxTranslator:
-    """Greedy / beam search with the exported encoder and decoder step (paths from the encoder's metadata).
+class GraphTranslator:
+    """Greedy / beam search with an exported encoder and decoder step, each a callable of tensors ->
+    tuple of tensors (``encode(src) -> (cross_kv, source_padding)``, ``step`` as :class:`OnnxDecoder`'s),
+    with the translation ``meta``data and the tokenizer the export wrote."""
 
-    Args:
-        encoder_path: ``<stem>.encoder.onnx`` as written by ``export``; the decoder step and the
-            sentencepiece model are found next to it.
-    """
-
-    def __init__(self, encoder_path: str | Path):
-        from datamodules.tokenizer import Tokenizer
-
-        encoder_path = Path(encoder_path)
-        if not encoder_path.is_file():
-            raise FileNotFoundError(f"{encoder_path} does not exist: give the <stem>.encoder.onnx that "
-                                    "`python -m tasks.translate export` wrote")
-        self.encoder = ort_session(encoder_path)
-        meta = read_metadata(self.encoder)
-        if meta.get("task") != "translation" or "decoder_step" not in meta:
-            raise ValueError(f"{encoder_path} is not the encoder of a translation export (its suite.task is "
-                             f"{meta.get('task')!r})")
-        self.meta = meta
-        self.decoder_step = ort_session(encoder_path.parent / meta["decoder_step"])
-        self.decoder = OnnxDecoder(self.decoder_step, meta["num_layers"], meta["num_heads"], meta["head_dim"])
-        self.tokenizer = Tokenizer(encoder_path.parent / meta["tokenizer"])
+    def __init__(self, encode, step, meta: dict, tokenizer):
+        self.encode_graph, self.meta, self.tokenizer = encode, meta, tokenizer
+        self.decoder = OnnxDecoder(step, meta["num_layers"], meta["num_heads"], meta["head_dim"])
         self.bos_id, self.eos_id, self.pad_id = meta["bos_id"], meta["eos_id"], meta["pad_id"]
 
     def translate_ids(self, src: torch.Tensor, beam_size: int | None = None) -> Hypotheses:
@@ -267,7 +307,7 @@ class OnnxTranslator:
         :meth:`tasks.translate.TranslationTask.translate` returns it."""
         meta = self.meta
         beam_size = meta["beam_size"] if beam_size is None else beam_size
-        cross_kv, padding = (torch.from_numpy(a) for a in self.encoder.run(None, {"src": src.numpy()}))
+        cross_kv, padding = self.encode_graph(src.contiguous())[:2]
         max_len = max_output_lengths(src.ne(self.pad_id).sum(dim=1), meta["max_len_a"], meta["max_len_b"],
                                      meta["max_positions"] - 1)
         ids = dict(bos_id=self.bos_id, eos_id=self.eos_id, pad_id=self.pad_id)
@@ -293,6 +333,31 @@ class OnnxTranslator:
             batch = texts[start:start + batch_size]
             out += self.tokenizer.decode(self.translate_ids(self.encode(batch), beam_size).tokens.tolist())
         return out
+
+
+class OnnxTranslator(GraphTranslator):
+    """:class:`GraphTranslator` on the ONNX files ``export`` wrote (paths from the encoder's metadata).
+
+    Args:
+        encoder_path: ``<stem>.encoder.onnx`` as written by ``export``; the decoder step and the
+            sentencepiece model are found next to it.
+    """
+
+    def __init__(self, encoder_path: str | Path):
+        from datamodules.tokenizer import Tokenizer
+
+        encoder_path = Path(encoder_path)
+        if not encoder_path.is_file():
+            raise FileNotFoundError(f"{encoder_path} does not exist: give the <stem>.encoder.onnx that "
+                                    "`python -m tasks.translate export` wrote")
+        self.encoder = ort_session(encoder_path)
+        meta = read_metadata(self.encoder)
+        if meta.get("task") != "translation" or "decoder_step" not in meta:
+            raise ValueError(f"{encoder_path} is not the encoder of a translation export (its suite.task is "
+                             f"{meta.get('task')!r})")
+        self.decoder_step = ort_session(encoder_path.parent / meta["decoder_step"])
+        super().__init__(session_runner(self.encoder), session_runner(self.decoder_step), meta,
+                         Tokenizer(encoder_path.parent / meta["tokenizer"]))
 
 
 def main(argv: list[str] | None = None) -> None:

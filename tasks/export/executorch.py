@@ -1,0 +1,83 @@
+"""ExecuTorch target (``--format executorch``): ``<stem>.pte``, every op XNNPACK can take delegated to it,
+run back here with ExecuTorch's Python runtime (``executorch.runtime.Runtime``); ``<stem>.pte.json`` holds
+the metadata (a ``.pte`` has no slot for it).
+
+torch.export -> ``to_edge_transform_and_lower`` with the ``XnnpackPartitioner`` -> ``to_executorch``.
+Memory is planned for the shapes the graph is traced at, so it is traced at the largest it allows: the
+batch is bounded (:data:`tasks.export.programs.MAX_BATCH`; the runner splits larger batches) and so are
+the sides where they may vary (twice the export size). ``--int8``: post-training static quantization in PT2E form with
+ExecuTorch's ``XNNPACKQuantizer`` (symmetric, per-channel weights), calibrated on the calibration images,
+then lowered the same way (the quantized convolutions and linears run as XNNPACK int8 kernels).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from pathlib import Path
+
+import torch
+
+from tasks.export.programs import MAX_BATCH, ProgramGraph, as_tuple, custom_ops, export_graph, in_batches
+
+SUFFIX = ".pte"
+SIDECAR = True
+#: memory is planned for the shapes the graph is traced at: trace it at the largest it takes
+AT_BOUNDS = True
+CANNOT_RUN = ""
+
+
+def require() -> None:
+    for name in ("executorch", "torchao"):
+        if importlib.util.find_spec(name) is None:
+            raise ImportError(f"--format executorch needs {name}, which is not installed. Install the extra: "
+                              "pip install -e '.[deploy]'")
+
+
+def refusal(graph: ProgramGraph, exported: torch.export.ExportedProgram, int8: bool) -> str | None:
+    """Why ``graph`` (``exported``) cannot become a .pte, or ``None``."""
+    custom = custom_ops(exported)
+    if custom:
+        return (f"the {graph.name or 'graph'} calls {', '.join(custom)}, a custom op with no ExecuTorch kernel "
+                "(it runs in Python only)")
+    return None
+
+
+def quantized(exported: torch.export.ExportedProgram, calibration: list[tuple]) -> torch.nn.Module:
+    """The exported graph after PT2E static quantization with the XNNPACK quantizer, calibrated on
+    ``calibration``."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (XNNPACKQuantizer,
+                                                                         get_symmetric_quantization_config)
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True))
+    prepared = prepare_pt2e(exported.module(), quantizer)
+    with torch.no_grad():
+        for inputs in calibration:
+            prepared(*inputs)
+    return convert_pt2e(prepared)
+
+
+def lower(graph: ProgramGraph, exported: torch.export.ExportedProgram, path: Path, calibration: list[tuple] | None,
+          metadata: dict) -> Path:
+    """Write ``graph`` (``exported``; quantized first with ``calibration``) as an XNNPACK-delegated ``.pte``."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    if calibration is not None:
+        exported = export_graph(dataclasses.replace(graph, module=quantized(exported, calibration)), at_bounds=True)
+    edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
+    program = edge.to_executorch()
+    path.write_bytes(program.buffer)
+    return path
+
+
+def load(path: Path):
+    """The ``.pte``'s ``forward`` as a callable of tensors -> tuple of tensors (batches split at :data:`MAX_BATCH`)."""
+    from executorch.runtime import Runtime
+
+    method = Runtime.get().load_program(Path(path)).load_method("forward")
+
+    def run(*inputs: torch.Tensor) -> tuple:
+        return as_tuple(method.execute([x.contiguous() for x in inputs]))
+
+    return in_batches(run, MAX_BATCH)

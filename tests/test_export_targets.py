@@ -1,0 +1,155 @@
+"""``export --format onnx|executorch|aoti|coreml|all``, ``--int8`` and metric parity (``--score``).
+
+Each export runs on a copy of the session's shared short fit of the task's demo recipe (conftest's
+``demo_fit``) and is scored by the task's own ``test`` on the demo test split against the checkpoint.
+Lowering to ExecuTorch takes minutes of CPU on this machine and an AOTInductor compile 30 s and more,
+so every export carries the ``slow`` marker; the default suite checks the interface, the refusals and
+the score check itself, on the real task's ``test``.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.test_export import export
+
+
+def demo_checkpoint(demo_fit, task: str, tmp_path):
+    """A copy of the session's demo checkpoint of ``task`` in ``tmp_path`` (an export writes beside it)."""
+    return shutil.copy(demo_fit(task) / "checkpoints" / "last.ckpt", tmp_path / "last.ckpt")
+
+
+# -- the interface --------------------------------------------------------------------------------------------------
+def test_an_unknown_format_is_refused_naming_the_targets(capsys):
+    with pytest.raises(ValueError, match=r"--format tflite is not a target: choose one of onnx, executorch, aoti, "
+                                         r"coreml, all"):
+        export("classify", "--ckpt_path", "any.ckpt", "--format", "tflite", capsys=capsys)
+
+
+def test_calibration_needs_images(capsys):
+    with pytest.raises(ValueError, match=r"--calibration 0: give the number of training images"):
+        export("classify", "--ckpt_path", "any.ckpt", "--int8", "true", "--calibration", "0", capsys=capsys)
+
+
+def test_coreml_finds_the_rank_6_tensor_of_a_mobilevitv2_block_and_converts_only_without_it():
+    """Core ML holds tensors of rank <= 5. The MobileViTv2 block's default path makes a rank-6 patch grid,
+    which the check names (op and module); the target exports in the blocks' Core ML layout where the
+    backbones have it (then nothing is refused), and refuses naming the op where they do not."""
+    from backbones.mobilevitv2 import MobileViTv2Block
+    from tasks.export import coreml_target
+    from tasks.export.programs import ProgramGraph, export_graph
+
+    block = MobileViTv2Block(16, 32, depth=1, patch_size=2).eval()
+    graph = ProgramGraph("", block, (torch.randn(1, 16, 8, 8),), ["x"], ["y"], ({},), [])
+    exported = export_graph(graph)
+    high = coreml_target.first_high_rank(exported)
+    assert high is not None and "makes a rank-6 tensor" in high, high
+    reason = coreml_target.refusal(graph, exported, int8=False)
+    if coreml_target.coreml_layout is not None:
+        assert reason is None
+    else:
+        assert reason == f"Core ML tensors have rank <= 5: {high}"
+    assert "INT8" in coreml_target.refusal(graph, exported, int8=True)
+
+
+def test_executorch_refuses_the_in_graph_nms_of_the_onnx_detection_graph(demo_fit, tmp_path):
+    """The ONNX detection graph selects inside (NMS is the Python custom op suite::nms_keep_mask): neither
+    ExecuTorch nor an AOTInductor package can run it, which is why their detection program is the raw head."""
+    from tasks.detect import DetectionTask
+    from tasks.export import aoti, executorch
+    from tasks.export.detection import DetectorGraph
+    from tasks.export.programs import ProgramGraph, export_graph
+
+    model = DetectionTask.load_from_checkpoint(demo_checkpoint(demo_fit, "detect", tmp_path), weights_only=True).eval()
+    images = torch.randn(2, 3, 64, 64)
+    graph = ProgramGraph("", DetectorGraph(model), (images,), ["images"], ["boxes"], ({0: torch.export.Dim("b")},), [])
+    exported = export_graph(graph)
+    assert executorch.refusal(graph, exported, False) == (
+        "the graph calls suite.nms_keep_mask.default, a custom op with no ExecuTorch kernel (it runs in Python only)")
+    assert "a custom op implemented in Python" in aoti.refusal(graph, exported, False)
+
+
+# -- metric parity ---------------------------------------------------------------------------------------------------
+def classification_scorer(demo_fit, tmp_path, limit=None):
+    from configs.tasks import task_declaration
+    from tasks.classify import ClassificationTask
+    from tasks.export import classification
+    from tasks.export.scoring import Scorer, datamodule_of
+
+    ckpt = demo_checkpoint(demo_fit, "classify", tmp_path)
+    load = lambda: ClassificationTask.load_from_checkpoint(ckpt, weights_only=True).eval()  # noqa: E731
+    return Scorer(load, classification, datamodule_of(ckpt, {}), task_declaration("classify").test_metric,
+                  "the demo test split", limit), load
+
+
+def test_the_score_check_passes_the_model_itself_and_fails_a_wrong_one(demo_fit, tmp_path):
+    """The score is ``test``'s top-1 through the task's own loop: the checkpoint's network as the "exported
+    program" scores exactly the checkpoint's top-1; a program whose logits are shifted by one class does
+    not, and the check fails (the command then exits non-zero)."""
+    scorer, load = classification_scorer(demo_fit, tmp_path)
+    model = load()
+    same = scorer.check("executorch", False, {"model": lambda images: (model(images),)})
+    assert same.ok and same.difference == 0 and same.exported == scorer.checkpoint
+    assert 0 <= same.checkpoint <= 100
+    shifted = scorer.check("executorch", False, {"model": lambda images: (model(images).roll(1, dims=1),)})
+    assert not shifted.ok and "FAILED" in str(shifted)
+    assert shifted.exported != scorer.checkpoint
+    # the bound of an INT8 program is a point, of a float one a tenth of a point
+    assert scorer.check("onnx", True, {"model": lambda images: (model(images),)}).tolerance == 1.0
+    assert same.tolerance == 0.1
+
+
+# -- slow: the exports ------------------------------------------------------------------------------------------------
+def parity_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("parity:")]
+
+
+@pytest.mark.slow
+def test_classification_on_executorch_passes_tensor_and_metric_parity_in_fp32_and_int8(demo_fit, tmp_path, capsys):
+    ckpt = demo_checkpoint(demo_fit, "classify", tmp_path)
+    out = export("classify", "--ckpt_path", str(ckpt), "--format", "executorch", "--int8", "true",
+                 "--calibration", "32", capsys=capsys)
+    assert "FAILED" not in out, out
+    pte, int8 = tmp_path / "last.pte", tmp_path / "last.int8.pte"
+    assert pte.is_file() and int8.is_file() and int8.stat().st_size < pte.stat().st_size
+    meta = json.loads((tmp_path / "last.pte.json").read_text())
+    assert meta["task"] == "classification" and meta["format"] == "executorch" and meta["int8"] is False
+    assert len(meta["class_names"]) == 10 and meta["mean"] == [0.485, 0.456, 0.406]
+    scores = [line for line in parity_lines(out) if "test/top1 of the" in line]
+    assert len(scores) == 2 and "executorch model" in scores[0] and "executorch int8 model" in scores[1], out
+
+    # the program run back by ExecuTorch's runtime gives the checkpoint's logits on demo test images
+    from datamodules.imagefolder import ImageFolderDataModule
+    from tasks.classify import ClassificationTask
+    from tasks.export.executorch import load
+
+    model = ClassificationTask.load_from_checkpoint(ckpt, weights_only=True).eval()
+    data = ImageFolderDataModule(root=None, image_size=32, eval_resize=32, batch_size=37, num_workers=0)
+    data.setup("test")
+    images = next(iter(data.test_dataloader()))["image"]  # 37 images: more than one program batch
+    with torch.no_grad():
+        torch.testing.assert_close(load(pte)(images)[0], model(images), rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["classify", "detect", "segment", "translate"])
+def test_every_format_passes_parity_or_is_refused_by_name(task, demo_fit, tmp_path, capsys):
+    """``--format all`` writes each target that applies, each passing tensor and metric parity (float32
+    within 0.1 point of the checkpoint's score); what does not apply is one ``refused:`` line."""
+    ckpt = demo_checkpoint(demo_fit, task, tmp_path)
+    out = export(task, "--ckpt_path", str(ckpt), "--format", "all", capsys=capsys)
+    assert "FAILED" not in out, out
+    refused = [line for line in out.splitlines() if line.startswith("refused:")]
+    scored = [line for line in parity_lines(out) if " model on the demo test split: " in line]
+    written = {"onnx", "executorch", "aoti"} - {line.split()[1].rstrip(":") for line in refused}
+    for target in written:
+        assert any(f"of the {target} model" in line for line in scored), (target, out)
+    assert "aoti" in written and "onnx" in written  # every task
+    if task != "translate":
+        assert "executorch" in written
+    assert all("coreml" in line or "executorch" in line for line in refused), refused
+    # Core ML: converted here (not run), or refused naming why
+    assert (tmp_path / "last.mlpackage").exists() or any("coreml" in line for line in refused)
