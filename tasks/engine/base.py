@@ -24,7 +24,7 @@ from tasks.engine.data_checks import (data_identity_mismatches, refuse_checkpoin
 from tasks.engine.compile_report import CompileReport
 from tasks.engine.cost import model_cost, move_to
 from tasks.engine.ema import use_foreach_ema
-from tasks.engine.nonfinite import NonFiniteGuard
+from tasks.engine.nonfinite import DDP_VERDICT_LAG, NonFiniteGuard
 from tasks.engine.optim import build_optimizer
 from tasks.outputs.common import MetricsJson, PredictWriter, TestTables, gather, predict_dir
 
@@ -183,26 +183,34 @@ class TaskModule(LightningModule):
                                self.layer_decay)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Lightning's mixed-precision plugin refuses to clip for a fused optimizer (the demo recipes'
-        Adam/AdamW), which unscales fp16 gradients inside its step. Under bf16 there is no scaler and
-        nothing to unscale, so clip exactly as in full precision. Under fp16 the gradients are
-        unscaled first (``GradScaler.unscale_``), which tells the scaler's step that the fused
-        optimizer must not unscale them again, and then clipped."""
-        from lightning.pytorch.plugins.precision import MixedPrecision
+        """Clip as Lightning does, with two changes.
+
+        - Lightning's mixed-precision plugin refuses to clip for a fused optimizer (the recipes' Adam/AdamW),
+          which unscales fp16 gradients inside its step. Under bf16 there is no scaler and nothing to unscale,
+          so clip exactly as in full precision. Under fp16 the gradients are unscaled first
+          (``GradScaler.unscale_``), which tells the scaler's step that the fused optimizer must not unscale
+          them again, and then clipped.
+        - Clipping by norm with Lightning's own precision plugins (32, bf16, fp16) computes the total norm with
+          ``torch.nn.utils.clip_grad_norm_`` here; without a gradient scaler (which skips inf/NaN gradients
+          itself) that norm joins the step's non-finite verdict on the device
+          (:meth:`tasks.engine.nonfinite.NonFiniteGuard.check_gradient_norm`): a NaN gradient from a finite
+          loss is not applied."""
+        from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
         from lightning.pytorch.utilities import GradClipAlgorithmType
 
         plugin = self.trainer.precision_plugin
-        fused = bool(optimizer.defaults.get("fused"))
-        if gradient_clip_val and isinstance(plugin, MixedPrecision) and (plugin.scaler is None or fused):
-            if plugin.scaler is not None:  # a fused step would unscale inside itself, after our clipping
-                plugin.scaler.unscale_(optimizer)
-            # the plugin's own clipping, without the fused-optimizer refusal of its clip_gradients
-            if GradClipAlgorithmType(gradient_clip_algorithm or "norm") == GradClipAlgorithmType.VALUE:
-                plugin.clip_grad_by_value(optimizer, gradient_clip_val)
-            else:
-                plugin.clip_grad_by_norm(optimizer, gradient_clip_val)
+        if not gradient_clip_val or type(plugin) not in (Precision, MixedPrecision, HalfPrecision):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
             return
-        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None and optimizer.defaults.get("fused"):  # a fused step would unscale after our clipping
+            scaler.unscale_(optimizer)
+        if GradClipAlgorithmType(gradient_clip_algorithm or "norm") == GradClipAlgorithmType.VALUE:
+            plugin.clip_grad_by_value(optimizer, gradient_clip_val)
+            return
+        total_norm = torch.nn.utils.clip_grad_norm_(list(plugin.main_params(optimizer)), gradient_clip_val)
+        if scaler is None and type(total_norm) is torch.Tensor:  # not a sharded (DTensor) norm
+            self.nonfinite_guard.check_gradient_norm(self, optimizer, total_norm)
 
     def on_train_start(self) -> None:
         # Filled here, not in configure_optimizers: estimated_stepping_batches builds the train
@@ -246,8 +254,14 @@ class TaskModule(LightningModule):
                 optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # under DDP every rank must stop at the same step: wait for the verdicts; alone, read the ready ones
-        self.nonfinite_guard.resolve(self, wait=self.trainer.world_size > 1, log=True)
+        if self.trainer.world_size > 1:
+            # every rank must stop at the same step: each reads exactly the verdicts of steps <= N - 2 at step N
+            # (waiting for them: their event passed a step ago, so no wait in practice), never a younger one that
+            # happens to have arrived on one rank only. Skips were applied on the device already; checkpoints,
+            # validation and the end read every verdict (on_save_checkpoint, on_validation_start, on_train_end).
+            self.nonfinite_guard.resolve(self, wait=True, log=True, upto=self.global_step - DDP_VERDICT_LAG)
+        else:  # alone: read the ones that arrived
+            self.nonfinite_guard.resolve(self, wait=False, log=True)
 
     def on_train_epoch_end(self) -> None:
         self.nonfinite_guard.resolve(self, wait=True, log=False)

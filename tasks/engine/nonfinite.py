@@ -20,29 +20,42 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 
 from layers.compat import skip_update_on_device, supports_device_skip
+from tasks.engine.optim import rewind_schedule
+
+
+#: under DDP, how many optimizer steps a verdict stays unread before a batch start waits for it: at step N every
+#: rank reads exactly the verdicts of steps <= N - 2, whose copies finished a step ago (TaskModule.on_train_batch_start)
+DDP_VERDICT_LAG = 2
 
 
 @dataclass
 class LossVerdict:
-    """One training batch's loss verdict on its way to the host: ``values`` holds (finite, usable,
-    loss); from a GPU it is a pinned copy made without waiting, readable once the event ``copied``
-    (recorded right after the loss, ahead of the backward) has passed."""
+    """One training batch's verdict on its way to the host: ``values`` holds (finite, usable, value) of
+    ``what`` (``"loss"``, or ``"gradient"``: the total gradient norm of a step whose loss was usable);
+    from a GPU it is a pinned copy made without waiting, readable once the event ``copied`` (recorded
+    right after the copy was queued) has passed."""
 
     step: int
     epoch: int
     batch: int
     values: torch.Tensor
     copied: Any = None
+    what: str = "loss"
 
     @classmethod
-    def copy(cls, step: int, epoch: int, batch: int, values: torch.Tensor) -> "LossVerdict":
-        if values.device.type != "cuda":  # on the host already (other accelerators: a plain copy)
-            return cls(step, epoch, batch, values.cpu())
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    def copy(cls, step: int, epoch: int, batch: int, values: torch.Tensor, what: str = "loss",
+             event: type | None = None) -> "LossVerdict":
+        """The verdict ``values`` on their way to the host. From a CUDA device (or with ``event``, a class with
+        CUDA events' ``record``/``query``/``synchronize``, which drives this path on the CPU): a pinned buffer
+        filled without waiting and an event recorded after the copy."""
+        on_cuda = values.device.type == "cuda"
+        if not on_cuda and event is None:  # on the host already (other accelerators: a plain copy)
+            return cls(step, epoch, batch, values.cpu(), what=what)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=on_cuda)
         host.copy_(values, non_blocking=True)
-        copied = torch.cuda.Event()
+        copied = (event or torch.cuda.Event)()
         copied.record()
-        return cls(step, epoch, batch, host, copied)
+        return cls(step, epoch, batch, host, copied, what)
 
     def ready(self) -> bool:
         return self.copied is None or self.copied.query()
@@ -80,6 +93,9 @@ class NonFiniteGuard:
         self.logged_nonfinite_steps = 0
         self.verdicts: list[LossVerdict] = []  # on their way to the host, oldest first
         self.step_usable: torch.Tensor | None = None  # device verdict of this optimizer step's batches
+        self.applied_usable: torch.Tensor | None = None  # the verdict the coming update was given
+        self.last_batch = 0  # the batch index of the latest guarded batch (the step's last, under accumulation)
+        self.rewound_step = -1  # the latest skipped step the schedule was moved back for
 
     def reset_counts(self) -> None:
         self.skipped_nonfinite_steps = self.logged_nonfinite_steps = 0
@@ -91,6 +107,7 @@ class NonFiniteGuard:
         skips that step; under DDP the rank trains on a zero loss that reaches every parameter, so the
         gradient all-reduce the other ranks wait for happens, and the verdict skips the update on every rank."""
         trainer = module.trainer
+        self.last_batch = batch_idx
         empty = loss is None
         distributed = trainer.world_size > 1
         if empty and not distributed:
@@ -121,6 +138,7 @@ class NonFiniteGuard:
         before the update, and a step to skip drops its gradients. With gradient accumulation one unusable
         batch skips the whole accumulated step."""
         usable, self.step_usable = self.step_usable, None
+        self.applied_usable = usable
         if usable is None:  # nothing was trained on: no gradients to apply
             return
         scaler = getattr(module.trainer.precision_plugin, "scaler", None)
@@ -136,39 +154,81 @@ class NonFiniteGuard:
         if not all(ok for step, ok in self.resolve(module, wait=True, log=True) if step == module.global_step):
             optimizer.zero_grad(set_to_none=True)
 
+    def check_gradient_norm(self, module: LightningModule, optimizer: torch.optim.Optimizer,
+                            total_norm: torch.Tensor) -> None:
+        """Join the step's total gradient norm (``clip_grad_norm_``'s result, already on the device) to its verdict,
+        for a step without a gradient scaler (bf16, fp32): a NaN/inf gradient from a finite loss (an overflow in
+        the backward) skips the update like a non-finite loss, decided on the device where the loss's verdict
+        was (a fused optimizer's ``found_inf``, updated in place before its step), and is reported on the host
+        later as a non-finite gradient. A step whose loss was already unusable is not reported twice."""
+        usable = self.applied_usable
+        if usable is None:
+            return
+        gradient_ok = torch.isfinite(total_norm.detach()) | ~usable  # a skipped step's gradient is not news
+        device_skip = vars(optimizer).get("found_inf")
+        if device_skip is not None:  # the fused step reads it: exactly 1.0 skips
+            device_skip.copy_(torch.maximum(device_skip, (~gradient_ok).float()))
+        elif not bool(gradient_ok):  # the host path read its verdict already (one sync more, on that path only)
+            optimizer.zero_grad(set_to_none=True)
+        values = torch.stack([gradient_ok.float(), gradient_ok.float(), total_norm.detach().float().reshape(())])
+        self.verdicts.append(LossVerdict.copy(module.global_step, module.current_epoch, self.last_batch, values,
+                                              what="gradient"))
+
     @staticmethod
     def after_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
         """The device verdict was this step's only: the next step's update is not conditional on it."""
         skip_update_on_device(optimizer, None)
 
-    def resolve(self, module: LightningModule, wait: bool, log: bool) -> list[tuple[int, bool]]:
-        """Read the verdicts that reached the host (all of them with ``wait``), oldest first: raise at a
-        non-finite loss (``on_nonfinite_loss=raise``), or warn and count the skipped step. Returns
+    def resolve(self, module: LightningModule, wait: bool, log: bool, upto: int | None = None) -> list[tuple[int, bool]]:
+        """Read the verdicts that reached the host (all of them with ``wait``; with ``upto``, exactly those of
+        global steps up to it, waiting for them, and no later one even if it has arrived), oldest first: raise
+        at a non-finite loss (``on_nonfinite_loss=raise``), or warn and count the skipped step. Returns
         ``(global step, usable)`` of each verdict read."""
         read = []
-        while self.verdicts and (wait or self.verdicts[0].ready()):
+        while self.verdicts and (self.verdicts[0].step <= upto if upto is not None
+                                 else wait or self.verdicts[0].ready()):
             record = self.verdicts.pop(0)
             finite, usable, value = record.read()
             read.append((record.step, usable))
             if usable:
                 continue
             at = where(record.step, record.epoch, record.batch)
+            if record.what == "gradient":
+                shown = f"non-finite gradient (total norm {value}) from a finite loss"
+            else:
+                shown = f"non-finite loss ({value if not math.isfinite(value) else 'on another rank'})"
             if not finite and self.on_nonfinite_loss == "raise":
                 self.verdicts.clear()
-                shown = f"{value}" if not math.isfinite(value) else "on another rank"
                 raise FloatingPointError(
-                    f"non-finite loss ({shown}) at {at}; its optimizer step made no update, and the run stopped "
+                    f"{shown} at {at}; its optimizer step made no update, and the run stopped "
                     "before any later checkpoint, so no checkpoint holds the result. Lower the learning rate, check "
                     "the batch, or set model.on_nonfinite_loss=skip to skip and count such steps.")
+            self.rewind_schedules(module, record.step)
             if finite:
                 self.count_empty_batch(at)
                 continue
             self.skipped_nonfinite_steps += 1
-            rank_zero_warn(f"non-finite loss at {at}: step skipped ({self.skipped_nonfinite_steps} so far)")
+            what = "non-finite gradient" if record.what == "gradient" else "non-finite loss"
+            rank_zero_warn(f"{what} at {at}: step skipped ({self.skipped_nonfinite_steps} so far)")
         if log and self.skipped_nonfinite_steps != self.logged_nonfinite_steps:
             module.log("train/skipped_nonfinite_steps", float(self.skipped_nonfinite_steps), reduce_fx="max")
             self.logged_nonfinite_steps = self.skipped_nonfinite_steps
         return read
+
+    def rewind_schedules(self, module: LightningModule, step: int) -> None:
+        """A skipped update is no step of the learning-rate schedules either: move each per-step schedule back
+        one step, once per skipped step (:func:`tasks.engine.optim.rewind_schedule`). The verdict reaches the
+        host a step or two after the update, so those steps ran one step ahead of the schedule."""
+        if step <= self.rewound_step:
+            return
+        self.rewound_step = step
+        try:
+            configs = module.trainer.lr_scheduler_configs
+        except RuntimeError:  # not attached to a Trainer
+            return
+        for config in configs:
+            if config.interval == "step":
+                rewind_schedule(config.scheduler)
 
     def count_empty_batch(self, at: str) -> None:
         self.skipped_empty_batches += 1

@@ -187,6 +187,18 @@ class _StepSchedule(LRScheduler):
                 for base_lr, group in zip(self.base_lrs, self.optimizer.param_groups)]
 
 
+def rewind_schedule(schedule: LRScheduler, steps: int = 1) -> bool:
+    """Move a closed-form schedule (:class:`_StepSchedule`) back ``steps`` optimizer steps and set its rates, so
+    a step whose update was skipped does not count as one. Returns whether it could (other schedules are left
+    where they are)."""
+    if not isinstance(schedule, _StepSchedule):
+        return False
+    schedule.last_epoch = max(0, schedule.last_epoch - steps)
+    for group, lr in zip(schedule.optimizer.param_groups, schedule.get_lr()):
+        group["lr"] = lr
+    return True
+
+
 class WarmupCosineLR(_StepSchedule):
     """Linear warm-up from ``warmup_init_lr`` to the optimizer's lr over ``warmup_steps``,
     then cosine annealing to ``min_lr`` at ``total_steps`` (CVNets / timm convention).
