@@ -156,6 +156,10 @@ def test_a_null_or_negative_batch_size_is_refused_naming_the_key(datamodule, key
             cls(**{key: value})
 
 
+#: the tests of the one-line refusal run without the debug switch, whatever the developer's shell sets
+NO_DEBUG = {"SUITE_DEBUG": ""}
+
+
 # -- the command line (each command ~15 s on an idle 2-core machine, a minute when it is shared) -------------------
 @pytest.mark.slow
 def test_resume_with_another_width_is_one_line_naming_the_key(demo_fit, tmp_path):
@@ -163,7 +167,7 @@ def test_resume_with_another_width_is_one_line_naming_the_key(demo_fit, tmp_path
     not name ``model.backbone.init_args.width``. On the command line it is one line and exit 1."""
     ckpt = shutil.copy(demo_fit("classify") / "checkpoints" / "last.ckpt", tmp_path / "started.ckpt")
     proc = run_task("classify", "fit", *TINY["classify"], *QUIET, "--model.backbone.init_args.width", "0.5",
-                    "--ckpt_path", str(ckpt), cwd=tmp_path, check=False)
+                    "--ckpt_path", str(ckpt), cwd=tmp_path, check=False, env=NO_DEBUG)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     last_line = proc.stderr.strip().splitlines()[-1]
@@ -178,7 +182,7 @@ def test_a_null_batch_size_on_the_command_line_is_one_line_and_exit_1(tmp_path):
     reach the user inside jsonargparse's "Does not validate against any of the Union subtypes" and the whole
     config. The command prints the suite's message alone, where it was raised and the debug switch."""
     proc = run_task("classify", "fit", *TINY["classify"], *QUIET, "--data.batch_size", "null", cwd=tmp_path,
-                    check=False)
+                    check=False, env=NO_DEBUG)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "Union subtypes" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: data.batch_size=None: give a positive whole number (--data.batch_size 32) [raised at "
@@ -214,21 +218,30 @@ def test_test_into_a_run_root_that_is_a_file_or_read_only_is_named(demo_fit, tmp
     ckpt = demo_fit("classify") / "checkpoints" / "last.ckpt"
     (tmp_path / "results").write_text("not a folder")
     proc = run_task("classify", "test", "--ckpt_path", str(ckpt), *QUIET, "--trainer.default_root_dir", "results",
-                    cwd=tmp_path, check=False)
+                    cwd=tmp_path, check=False, env=NO_DEBUG)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "error: trainer.default_root_dir=results cannot be a run folder: results is a file.")
     if os.geteuid() != 0:  # root writes anywhere: no folder is read-only to it
         (tmp_path / "shut").mkdir(mode=0o555)
         proc = run_task("classify", "test", "--ckpt_path", str(ckpt), *QUIET, "--trainer.default_root_dir",
-                        "shut/run", cwd=tmp_path, check=False)
+                        "shut/run", cwd=tmp_path, check=False, env=NO_DEBUG)
         assert proc.returncode == 1 and "this user cannot write in shut (read-only)" in proc.stderr
 
 
-def test_the_api_raises_what_the_command_line_prints(tmp_path, monkeypatch):
-    """``tasks.cli.suite.main`` given its arguments (the Python API) raises the refusal itself."""
+def test_the_api_raises_what_the_command_line_prints(demo_fit, tmp_path, monkeypatch):
+    """``tasks.cli.suite.main`` given its arguments (the Python API) raises the refusal itself: no
+    ``last.ckpt``, and a truncated one (a copy cut short), named with its size before Lightning reads it."""
     from tasks.cli.suite import main
 
     monkeypatch.chdir(tmp_path)
+    fit = ["fit", *TINY["classify"], *SHAPE_OVERRIDE["classify"], *QUIET, "--ckpt_path", "last"]
     with pytest.raises(FileNotFoundError, match=r"--ckpt_path last: there is no .*last.ckpt to resume from"):
-        main("classify", ["fit", *TINY["classify"], *QUIET, "--ckpt_path", "last"])
+        main("classify", fit)
+    whole = (demo_fit("classify") / "checkpoints" / "last.ckpt").read_bytes()
+    last = tmp_path / "runs" / "classify" / "checkpoints" / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    last.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=rf"cannot read checkpoint {last.relative_to(tmp_path)} \({len(whole) // 2} "
+                                         r"bytes\): .*Is it truncated"):
+        main("classify", fit)
