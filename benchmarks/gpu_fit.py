@@ -203,6 +203,7 @@ def run(task: str, args, deadline: float | None = None) -> dict:
     command = [sys.executable, "-m", f"tasks.{task}", "fit", "--config", str(REPO / recipe),
                "--data.root", str(root), "--data.num_workers", str(args.num_workers),
                "--trainer.accelerator", args.accelerator, "--trainer.devices", "1", "--trainer.max_steps", str(steps),
+               "--trainer.strategy", "auto",  # the recipes' ddp at one device would time a one-rank DDP wrapper
                "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
                # the image recipes' LearningRateMonitor needs a logger; CSV needs nothing installed
                "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.default_root_dir", str(args.work / task),

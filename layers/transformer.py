@@ -37,11 +37,31 @@ class ChannelsLastGroupNorm(nn.GroupNorm):
             raise ValueError(f"ChannelsLastGroupNorm normalises with one group, got num_groups={num_groups}")
         super().__init__(num_groups, num_channels, eps, affine, **kwargs)
 
+    #: ``"layer_norm"`` (above) or ``"var_mean"`` (:func:`group_norm_by_var_mean`): which one is faster on a GPU
+    #: depends on the batch (``benchmarks/gpu_groupnorm.py`` times both); the default stays until it is measured
+    statistics = "layer_norm"
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.statistics == "var_mean":
+            return group_norm_by_var_mean(x, self.weight, self.bias, self.eps)
         map_shape = x.shape[-3:]
         weight = None if self.weight is None else self.weight.expand(map_shape).contiguous()
         bias = None if self.bias is None else self.bias.expand(map_shape).contiguous()
         return F.layer_norm(x, map_shape, weight, bias, self.eps)
+
+
+def group_norm_by_var_mean(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+    """One-group GroupNorm of a channels-last map (B, H, W, C) from ``torch.var_mean`` over (H, W, C) and one
+    per-channel affine. CUDA's layer norm gives each row (here: each image, up to 1.6 MB) one thread block, so
+    at a batch of 4 or 32 most of a large GPU idles; a reduction over the last three dims is split over many
+    blocks. The price is more elementwise kernels in eager mode (which ``torch.compile`` fuses)."""
+    var, mean = torch.var_mean(x, dim=(-3, -2, -1), correction=0, keepdim=True)
+    y = (x - mean) * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y
 
 
 class TransformerBlock(nn.Module):

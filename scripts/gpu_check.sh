@@ -2,13 +2,15 @@
 # The device checks of a lent GPU machine, sized for its calls (10 minutes each at most).
 #
 #   bash scripts/gpu_check.sh all OUT [--tiny]     # every stage below, in order of value, <= 9 minutes on a GPU
-#   bash scripts/gpu_check.sh cli|suite|fit|demo OUT [--tiny]   # one stage, in its own time box
+#   bash scripts/gpu_check.sh cli|suite|fit|micro|demo OUT [--tiny]   # one stage, in its own time box
 #   bash scripts/gpu_check.sh compile OUT          # bench_compile.py: compile cost through the CLI (~6 min)
 #
 # Stages and their time boxes on a GPU (seconds), sized from the first GPU run of these checks (an H200 with
 # 16 cores, 2026-11-27: CLI processes of 20-48 s with 4 side by side, resume cells 74-119 s,
 # ~23-29 s per gpu_suite run, 0.43 it/s for the demo beside other jobs):
-#   setup  15  wheels from .whl (49 MB, unpacked, nothing compiled) and the machine's description
+#   setup  15  wheels from .whl (49 MB, unpacked, nothing compiled) and the machine's description, in its own
+#              box (GPU_CHECK_SETUP_BOX, 60 s): its seconds are the cold start, the summary's first row; an
+#              overrun fails the setup row by name instead of eating the last stage's box
 #   cli   215  benchmarks/gpu_cli.py --budget-s 205: fit, resume, test, predict, export, fp16 and both compile
 #              modes of the four tasks, ~41 CLI processes of ~25 s = ~1,000 process-seconds over 6 slots
 #              (the resume's three fits side by side, so ~8 processes at a time on 16 cores): ~170-200 s.
@@ -23,14 +25,21 @@
 #              (build_s, warmup_s, infer_s in gpu_suite.json) say how to resize.
 #   fit    85  benchmarks/gpu_fit.py --budget-s 80: the four paper recipes, 40 steps each, ~20 s a recipe
 #              (start-up ~8 s, 10 untimed + 30 timed steps); their data are built while the cli stage runs
-#   demo   80  benchmarks/gpu_fit.py --demo 60: `python -m tasks.detect fit`, alone, 60 s of fitting after
+#   micro  20  benchmarks/gpu_groupnorm.py: MobileViTv2's GroupNorm as layer_norm vs var_mean + affine at
+#              batches 4/32/128, interleaved rounds timed with CUDA events (~10 s after ~5 s of imports)
+#   demo   65  benchmarks/gpu_fit.py --demo 50: `python -m tasks.detect fit`, alone, 50 s of fitting after
 #              ~10 s of start-up; its it/s beside the 2-core CPU's (CPU_DEMO below)
-#   total 535 s <= 540. Every stage writes its files as it goes and stops at its box, so a cut run still
+#   total 540 s <= 540. Every stage writes its files as it goes and stops at its box, so a cut run still
 #   reports what finished; a stage never runs past what is left of the 540 s.
 #
-# OUT holds at most 7 files, none in a folder: summary.md (the machine, each stage's box and seconds, then
-# every table), all.log (everything printed), gpu_cli.json, gpu_suite.json, gpu_fit.json, demo.json,
-# failed_cells.log (the end of each failed CLI cell's log; only if one failed). Run folders stay in /tmp.
+# OUT holds at most 8 files, none in a folder: summary.md (the headline rows that did not run, if any; the
+# machine, each stage's box and seconds, then every table), all.log (everything printed), gpu_cli.json,
+# gpu_suite.json, gpu_fit.json, demo.json, gpu_groupnorm.json, failed_cells.log (the end of each failed CLI
+# cell's log; only if one failed). Run folders stay in /tmp.
+#
+# Headline rows: each paper recipe's eager ours-vs-peer pair of the suite stage, each paper-recipe fit, the demo.
+# One that did not run (skipped, cut by a budget, an error; a peer with no equivalent of the recipe aside)
+# fails the check and is named at the top of summary.md.
 #
 # --tiny: the same stages on a CPU at toy sizes with no time boxes (tests/test_gpu_check.py), so that this
 # script cannot rot; its numbers mean nothing.
@@ -39,7 +48,7 @@
 # `bash scripts/device_wheels.sh .whl` where PyPI is reachable and carry .whl along: this script
 # installs what it finds there into /tmp/site.
 set -uo pipefail
-stage=${1:?all, cli, suite, fit, demo or compile}
+stage=${1:?all, cli, suite, fit, micro, demo or compile}
 out=${2:-benchmarks/gpu_results}
 tiny=""
 if [[ "${3:-}" == "--tiny" ]]; then tiny="--tiny"; fi
@@ -57,9 +66,11 @@ log="$out/all.log"
 summary="$out/summary.md"
 : > "$log"
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    2>&1 | tee -a "$log" || exit 1
+setup_rc=0
+if compgen -G ".whl/*.whl" > /dev/null; then  # in its own box, so an overrun is named here
+  timeout --signal=TERM --kill-after=5 "${GPU_CHECK_SETUP_BOX:-60}" python3 -m pip install -q --no-index --no-deps \
+    --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tee -a "$log"
+  setup_rc=${PIPESTATUS[0]}
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
@@ -68,13 +79,13 @@ mapfile -t task_list < <(python3 -c "from configs.tasks import task_names; print
 
 if [[ -n "$tiny" ]]; then
   accelerator=cpu; total=${GPU_CHECK_TOTAL_S:-100000}
-  cli_box=100000 suite_box=100000 fit_box=100000 demo_box=100000 demo_s=10
+  cli_box=100000 suite_box=100000 fit_box=100000 micro_box=100000 demo_box=100000 demo_s=10
   cli_budget=0 suite_budget=0 fit_budget=0
   suite_flags=(--tiny --tasks "${task_list[@]}" --recipes paper --precisions bf16-mixed)
   machine="CPU smoke run (--tiny): $(nproc) cores"
 else
   accelerator=gpu
-  cli_box=215 suite_box=140 fit_box=85 demo_box=80 demo_s=60
+  cli_box=215 suite_box=140 fit_box=85 micro_box=20 demo_box=65 demo_s=50
   cli_budget=205 suite_budget=125 fit_budget=80
   suite_flags=(--recipes paper --precisions bf16-mixed --channels-last recipe --compile off regional network)
   machine="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1), $(nproc) cores"
@@ -88,7 +99,9 @@ versions=$(python3 -c "import torch, lightning; print('torch', torch.__version__
   echo
   echo "| stage | box s | ran s | exit |"
   echo "| --- | ---: | ---: | ---: |"
+  echo "| setup (the cold start: wheels, imports, the machine) | $([[ -n "$tiny" ]] && echo none || echo "${GPU_CHECK_SETUP_BOX:-60}") | $(( SECONDS - start )) | $setup_rc$( (( setup_rc == 124 || setup_rc == 137 )) && echo ' (box)') |"
 } > "$work/head.md"
+: > "$work/headline.md"
 : > "$work/stages.md"
 : > "$work/tables.md"
 
@@ -100,7 +113,12 @@ box() {
 
 # write the summary from what the stages have left so far (after every stage: a cut run keeps it)
 write_summary() {
-  cat "$work/head.md" "$work/stages.md" "$work/tables.md" > "$summary"
+  cat "$work/headline.md" "$work/head.md" "$work/stages.md" "$work/tables.md" > "$summary"
+}
+
+# the headline rows that did not run, named at the top of the summary; fails the check if there is one
+headline_check() {
+  python3 benchmarks/gpu_headline.py "$out" "$work/headline.md" "$stage"
 }
 
 # run_stage NAME BOX FOLDER COMMAND...: runs COMMAND (writing into FOLDER) in its box, then copies FOLDER's
@@ -153,6 +171,9 @@ fit() {
   run_stage fit "$fit_box" "$work/fit" python3 benchmarks/gpu_fit.py --accelerator "$accelerator" $tiny \
     --budget-s "$fit_budget" --work "$work/fit/work" --output "$work/fit"
 }
+micro() {
+  run_stage micro "$micro_box" "$work/micro" python3 benchmarks/gpu_groupnorm.py $tiny --out "$work/micro"
+}
 demo() {
   local accel=()
   [[ -n "$tiny" ]] && accel=(--accelerator cpu)
@@ -171,15 +192,21 @@ case "$stage" in
     suite || status=1
     wait "$builder" || { echo "building the fit stage's data failed:"; tail -20 "$work/build.log"; } | tee -a "$log"
     fit || status=1
+    micro || status=1
     demo || status=1 ;;
   cli) cli || status=1 ;;
   suite) suite || status=1 ;;
   fit) build_data; fit || status=1 ;;
   demo) demo || status=1 ;;
+  micro) micro || status=1 ;;
   compile)
     run_stage compile 600 "$work/compile" python3 benchmarks/bench_compile.py --accelerator gpu --precision bf16-mixed \
       --max-epochs 1 --tasks "${task_list[@]}" --output "$work/compile/results_compile.md" || status=1 ;;
-  *) echo "unknown stage $stage: all, cli, suite, fit, demo or compile" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: all, cli, suite, fit, micro, demo or compile" >&2; exit 2 ;;
 esac
+(( setup_rc == 0 )) || status=1
+headline_check | tee -a "$log"
+(( PIPESTATUS[0] == 0 )) || status=1
+write_summary
 echo "gpu_check $stage: $(( SECONDS - start )) s, exit $status; $summary" | tee -a "$log"
 exit "$status"

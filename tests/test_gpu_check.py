@@ -26,7 +26,7 @@ def gpu_setting(name: str) -> int:
 
 def test_the_stage_boxes_add_up_to_at_most_nine_minutes():
     assert f"total=${{GPU_CHECK_TOTAL_S:-{TOTAL_S}}}" in SCRIPT.read_text()
-    boxes = {stage: gpu_setting(f"{stage}_box") for stage in ("cli", "suite", "fit", "demo")}
+    boxes = {stage: gpu_setting(f"{stage}_box") for stage in ("cli", "suite", "fit", "micro", "demo")}
     assert SETUP_S + sum(boxes.values()) <= TOTAL_S, boxes
     for stage in ("cli", "suite", "fit"):  # a stage's own budget ends it before its box kills it
         assert gpu_setting(f"{stage}_budget") < boxes[stage], stage
@@ -47,8 +47,10 @@ def test_all_stages_pass_tiny_on_the_cpu(tmp_path):
     assert not (out / "failed_cells.log").exists()
 
     summary = (out / "summary.md").read_text()
-    for stage in ("cli", "suite", "fit", "demo"):
+    for stage in ("cli", "suite", "fit", "micro", "demo"):
         assert re.search(rf"^\| {stage} \| none \| \d+ \| 0 \|$", summary, re.M), summary[:2000]
+    assert re.search(r"^\| setup \(the cold start[^|]*\| none \| \d+ \| 0 \|$", summary, re.M), summary[:2000]
+    assert summary.startswith("# GPU check")  # no headline row missing
     assert "## cli: gpu_cli.md" in summary and "## demo: demo.md" in summary
 
     cells = {(r["task"], r["cell"]): r for r in json.loads((out / "gpu_cli.json").read_text())["rows"]}
@@ -62,3 +64,30 @@ def test_all_stages_pass_tiny_on_the_cpu(tmp_path):
     assert [r["status"] for r in fits] == ["ok"] * 4
     demo = json.loads((out / "demo.json").read_text())
     assert demo["status"] == "ok" and demo["it_per_s"] > 0 and demo["steps"] > 0
+
+
+def test_a_headline_row_that_did_not_run_fails_the_check_and_heads_the_summary(tmp_path):
+    """A paper recipe's eager ours/peer row skipped by the budget, or a fit that failed, is named and exits 1; a
+    compiled row cut, or a peer with no equivalent of the recipe, is not a headline failure."""
+    import sys
+
+    def suite_row(kind, status, compile="off", note=""):
+        return {"task": "classify", "recipe": "imagenet_mobilevitv2_200", "kind": kind, "network": "n",
+                "status": status, "compile": compile, "note": note}
+
+    def check(suite_rows, fit_rows):
+        (tmp_path / "gpu_suite.json").write_text(json.dumps({"rows": suite_rows}))
+        (tmp_path / "gpu_fit.json").write_text(json.dumps({"rows": fit_rows}))
+        (tmp_path / "demo.json").write_text(json.dumps({"status": "ok"}))
+        proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_headline.py"), str(tmp_path),
+                               str(tmp_path / "headline.md"), "all"], capture_output=True, text=True)
+        return proc.returncode, (tmp_path / "headline.md").read_text()
+
+    fine = [suite_row("ours", "ok"), suite_row("peer", "ok"), suite_row("ours", "skipped", "network", "budget"),
+            suite_row("peer", "skipped", note="MarianMTModel has no equivalent of the recipe's {}")]
+    assert check(fine, [{"task": "detect", "status": "ok"}]) == (0, "")
+    rc, text = check([suite_row("ours", "ok"), suite_row("peer", "skipped", note="over the budget")],
+                     [{"task": "detect", "status": "error", "note": "exit 1"}])
+    assert rc == 1 and text.startswith("**Headline rows that did not run")
+    assert "suite: classify imagenet_mobilevitv2_200 peer (n) skipped: over the budget" in text
+    assert "fit: detect error: exit 1" in text

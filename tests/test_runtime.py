@@ -45,3 +45,28 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
     kept_default, faults_default = probe(system_malloc=True)
     assert applied and not kept_default
     assert faults * 2 < faults_default, (faults, faults_default)  # measured: 3.5-10x fewer
+
+
+@pytest.mark.parametrize("task, recipe, autotune, matmul", [
+    ("classify", "imagenet_mobilevitv2_200.yaml", True, "highest"),  # bf16-mixed, fixed 256 px crops
+    ("detect", "coco_ssdlite_mobilevitv2_100.yaml", True, "highest"),
+    ("segment", "ade20k_deeplabv3_mobilevitv2_100.yaml", True, "highest"),
+    ("translate", "wmt14_en_de_transformer_base.yaml", False, "highest"),  # token batches change shape
+    ("classify", "demo_mobilevitv2.yaml", True, "high"),  # 32-true: TF32 matmuls
+    ("translate", "demo_transformer.yaml", False, "high"),
+])
+def test_cuda_speed_settings_per_recipe(task, recipe, autotune, matmul):
+    import yaml
+
+    from tasks.cli.runtime import cuda_speed_settings
+
+    trainer = yaml.safe_load((REPO / "configs" / task / recipe).read_text())["trainer"]
+    assert cuda_speed_settings(task, trainer) == {"benchmark": autotune, "float32_matmul_precision": matmul}
+
+
+def test_cuda_speed_settings_leave_a_recipes_choice_and_determinism_alone():
+    from tasks.cli.runtime import cuda_speed_settings
+
+    assert cuda_speed_settings("classify", {"benchmark": False})["benchmark"] is None  # Lightning applies the recipe's
+    assert cuda_speed_settings("classify", {"deterministic": True}) == {"benchmark": False,
+                                                                      "float32_matmul_precision": "highest"}

@@ -1,6 +1,7 @@
-"""Process-wide CPU settings: the memory setting that every entry point (the four CLIs, the benchmarks)
-applies before it builds anything, and :class:`ThreadsFollowLoad`, the CLI's callback that gives a CPU
-run's threads back to other processes while they use its cores.
+"""Process-wide settings: the memory setting that every entry point (the four CLIs, the benchmarks)
+applies before it builds anything, :class:`ThreadsFollowLoad`, the CLI's callback that gives a CPU
+run's threads back to other processes while they use its cores, and :func:`cuda_speed_settings`, the
+cuDNN autotuning and TF32 choice of a recipe run on CUDA.
 
 glibc hands out each allocation above its mmap threshold (128 KiB, adapting up to 32 MiB) as a
 fresh mapping and unmaps it on free, so a training step's activations come back as new pages
@@ -95,3 +96,27 @@ class ThreadsFollowLoad(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if self.plan is not None:
             torch.set_num_threads(self.plan.threads)
+
+
+def cuda_speed_settings(task: str, trainer: dict) -> dict:
+    """What a run on CUDA should set that Lightning leaves off, decided from the recipe's trainer section:
+
+    - ``benchmark`` (``torch.backends.cudnn.benchmark``): on for the image tasks, which train on fixed-size crops
+      (cuDNN times its convolution algorithms once per shape and keeps the fastest: what
+      ``benchmarks/gpu_suite.py`` measures with); off for translation, whose token batches change shape every
+      step (each new shape would be timed again), and off under ``deterministic`` (autotuning may pick a
+      different algorithm per run). A recipe's own ``benchmark`` wins.
+    - ``float32_matmul_precision``: ``"high"`` (TF32 tensor cores for float32 matmuls, 10-bit mantissas, as
+      Lightning's hint on every such GPU run suggests) for ``32-true`` recipes (the demos); mixed-precision recipes
+      run their matmuls in bf16/fp16 already and keep torch's default ``"highest"``, as does a deterministic run.
+
+    Returns ``{"benchmark": bool | None, "float32_matmul_precision": str}`` (``None``: the recipe decided)."""
+    deterministic = bool(trainer.get("deterministic"))
+    benchmark = trainer.get("benchmark")
+    if benchmark is None:
+        benchmark = task != "translate" and not deterministic
+    else:
+        benchmark = None  # the recipe's, applied by Lightning
+    precision = str(trainer.get("precision") or "32-true")
+    tf32 = precision in ("32-true", "32") and not deterministic
+    return {"benchmark": benchmark, "float32_matmul_precision": "high" if tf32 else "highest"}
