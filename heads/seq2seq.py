@@ -79,18 +79,24 @@ class DecoderCache:
             buffer[..., : self.steps, :] = self.self_kv[..., : self.steps, :]
         self.self_kv = buffer
 
-    def reorder(self, index: Tensor) -> None:
+    def reorder(self, index: Tensor, whole: bool | None = None) -> None:
         """Hypothesis i continues hypothesis ``index[i]`` (N,). Every index must stay within its
-        sentence's block of rows (as beam search's do): the memory's keys/values are per sentence."""
+        sentence's block of rows (as beam search's do): the memory's keys/values are per sentence.
+
+        ``whole`` (default: on CUDA) copies every row: finding the rows that changed (``nonzero``) would make
+        the host wait for the device at every decoded token. On the CPU, where that costs nothing, only the
+        rows that change are copied (beams often continue themselves: fewer bytes)."""
         if self.self_kv is None:
             return
         hypotheses = self.self_kv.shape[2]
         if index.shape != (hypotheses,):
             raise ValueError(f"reorder needs one index per hypothesis, ({hypotheses},), got {tuple(index.shape)}")
-        # beams often continue themselves: copying only the rows that change moves fewer bytes
+        past = self.self_kv[..., : self.steps, :]
+        if index.device.type == "cuda" if whole is None else whole:
+            past.copy_(past.index_select(2, index))
+            return
         moved = (index != torch.arange(len(index), device=index.device)).nonzero().squeeze(1)
         if len(moved):
-            past = self.self_kv[..., : self.steps, :]
             past.index_copy_(2, moved, past.index_select(2, index[moved]))
 
 

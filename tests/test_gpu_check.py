@@ -91,3 +91,9 @@ def test_a_headline_row_that_did_not_run_fails_the_check_and_heads_the_summary(t
     assert rc == 1 and text.startswith("**Headline rows that did not run")
     assert "suite: classify imagenet_mobilevitv2_200 peer (n) skipped: over the budget" in text
     assert "fit: detect error: exit 1" in text
+    missing_library = [suite_row("ours", "ok"), suite_row("peer", "skipped", note="timm not installed (peer)")]
+    assert check(missing_library, [])[0] == 1  # on the GPU machine: the comparison is missing
+    (tmp_path / "gpu_suite.json").write_text(json.dumps({"rows": missing_library}))
+    smoke = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_headline.py"), str(tmp_path),
+                            str(tmp_path / "headline.md"), "suite", "--allow-missing-peers"])
+    assert smoke.returncode == 0  # --tiny on a CPU machine without the peer's library
