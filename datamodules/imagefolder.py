@@ -129,7 +129,11 @@ def _list_split(split_dir: Path, found: list[str], classes: list[str]) -> tuple[
     for name in found:
         files = _image_names(split_dir / name, skipped)
         if not files:
-            raise ValueError(f"class folder {split_dir / name} holds no images (extensions {IMAGE_EXTENSIONS})")
+            nested = _images_below(split_dir / name)
+            first = nested[0].relative_to(split_dir).as_posix() if nested else ""
+            where = (f"; {len(nested)} image file(s) lie in sub-folders of it ({first}{', ...' if len(nested) > 1 else ''}"
+                     "): the layout is <split>/<class>/<image>") if nested else ""
+            raise ValueError(f"class folder {split_dir / name} holds no images (extensions {IMAGE_EXTENSIONS}){where}")
         paths += [f"{name}/{f}" for f in files]
         labels += [label_of[name]] * len(files)
     return paths, np.asarray(labels, dtype=np.int32), skipped

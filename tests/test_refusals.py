@@ -135,6 +135,12 @@ def test_images_in_a_sub_folder_of_a_class_folder_are_counted_and_named(tmp_path
         samples, classes = scan_split(tmp_path)
     assert [p.relative_to(tmp_path).as_posix() for p, _ in samples] == ["cat/a.png", "dog/d.png"]
     assert len(ImageFolder(str(tmp_path))) == len(samples) + 2  # the two it reads and the suite names
+    (tmp_path / "dog" / "d.png").rename(tmp_path / "cat" / "more" / "d.png")
+    (tmp_path / "dog" / "inside").mkdir()
+    (tmp_path / "cat" / "more" / "d.png").rename(tmp_path / "dog" / "inside" / "d.png")
+    with pytest.raises(ValueError, match=r"class folder .*dog holds no images .*; 1 image file\(s\) lie in "
+                                         r"sub-folders of it \(dog/inside/d.png\): the layout is <split>/<class>/"):
+        scan_split(tmp_path)
 
 
 @pytest.mark.parametrize("datamodule, key", [
