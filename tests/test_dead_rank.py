@@ -50,3 +50,22 @@ def test_a_killed_rank_stops_the_other_within_the_bound_with_the_resume_command(
         code, info, log = fit(tmp_path, "straight")
         assert code == 0, log[-3000:]
         assert_resumed_equals_straight(tmp_path, steps=6)
+
+
+def test_ddp_and_fsdp_get_torchs_nccl_timeout_for_their_collectives():
+    """``--trainer.strategy ddp`` / ``fsdp``: a collective waits for a dead peer on another node as long as torch's
+    own NCCL default (not Lightning's 30 minutes for every backend); other strategy values are left alone."""
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.constants import default_pg_nccl_timeout
+
+    from tasks.cli.sharding import COLLECTIVE_TIMEOUT, FullyShardedStrategy, sharded_strategy
+
+    assert COLLECTIVE_TIMEOUT == timedelta(minutes=10)
+    if default_pg_nccl_timeout is not None:  # a torch built with NCCL
+        assert COLLECTIVE_TIMEOUT == default_pg_nccl_timeout
+    ddp, fsdp = sharded_strategy("ddp"), sharded_strategy("fsdp")
+    assert type(ddp) is DDPStrategy and ddp._timeout == COLLECTIVE_TIMEOUT
+    assert isinstance(fsdp, FullyShardedStrategy) and fsdp._timeout == COLLECTIVE_TIMEOUT
+    assert sharded_strategy("ddp_spawn") == "ddp_spawn" and sharded_strategy("auto") == "auto"

@@ -277,7 +277,26 @@ def check_sharding(subcommand: str | None, config) -> None:
             "synchronised BatchNorm.")
 
 
+#: how long a collective may wait for a peer before the process group gives up, under ``ddp`` and ``fsdp``:
+#: torch's own default for NCCL (``torch.distributed.constants.default_pg_nccl_timeout``, 10 minutes in
+#: torch 2.14.1) instead of the 30 minutes Lightning gives every backend. It bounds what no other mechanism
+#: does: a rank on another node that died. Then NCCL's watchdog, with torch's default
+#: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, aborts the collective and takes the process down, and the other
+#: ranks follow (:class:`tasks.cli.preemption.PeerWatch` on a node, the launcher across nodes); a rank on the
+#: same node that died ends its peers within seconds through PeerWatch, on any backend. 10 minutes is above
+#: the longest wait the suite's collectives legitimately have: rank 0 writing the largest recipe's
+#: checkpoint while the others wait in the barrier after it, or one rank compiling its first step.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
 def sharded_strategy(strategy: Any) -> Any:
     """The strategy the Trainer gets for a ``trainer.strategy`` value: ``fsdp`` becomes a
-    :class:`FullyShardedStrategy`; anything else is returned as it is."""
-    return FullyShardedStrategy() if strategy == FSDP else strategy
+    :class:`FullyShardedStrategy` and ``ddp`` Lightning's ``DDPStrategy``, both with
+    :data:`COLLECTIVE_TIMEOUT`; anything else is returned as it is."""
+    if strategy == FSDP:
+        return FullyShardedStrategy(timeout=COLLECTIVE_TIMEOUT)
+    if strategy == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(timeout=COLLECTIVE_TIMEOUT)
+    return strategy
