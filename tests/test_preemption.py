@@ -164,3 +164,41 @@ def test_run_lock_of_another_host_is_refused_unless_it_is_the_same_slurm_job(tmp
     requeued = RunLock(tmp_path)
     requeued.acquire()
     assert requeued.holder()["host"] == socket.gethostname()
+
+
+# -- the logged metrics come back with last.ckpt -----------------------------------------------------------
+class Validated(Regression):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", nn.functional.mse_loss(self.net(x), y))
+
+
+class ShuffledAndValidated(Shuffled):
+    def val_dataloader(self):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+        return torch.utils.data.DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+def fit_keeping_the_best(root, *callbacks, ckpt_path=None):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    best = ModelCheckpoint(root / "checkpoints", filename="best-{step}", monitor="val/loss", every_n_train_steps=1)
+    trainer = Trainer(default_root_dir=root, max_epochs=2, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, accelerator="cpu", plugins=[AtomicCheckpointIO()],
+                      callbacks=[*callbacks, Preemption(), best, LatestCheckpoint(root / "checkpoints", 100)])
+    torch.manual_seed(0)
+    trainer.fit(Validated(), ShuffledAndValidated(), ckpt_path=ckpt_path)
+    return best.best_model_path, None if best.best_model_score is None else float(best.best_model_score)
+
+
+def test_a_resume_after_a_validation_scores_the_next_steps_as_the_uninterrupted_run(tmp_path):
+    """ModelCheckpoint saving every step scores a step with the last validation's metric, which Lightning does
+    not checkpoint: stopped right after epoch 0's validation and resumed, the run scored nothing until the next
+    validation and kept no best checkpoint of step 9 (the uninterrupted run's). last.ckpt now brings it back."""
+    straight = fit_keeping_the_best(tmp_path / "straight")
+    assert straight[0].endswith("best-step=9.ckpt")  # the first step after epoch 0's validation
+    with pytest.raises(Preempted):  # the signal in the epoch's last step stops after its validation
+        fit_keeping_the_best(tmp_path / "resumed", SignalAtStep(step=7))
+    assert torch.load(tmp_path / "resumed/checkpoints/last.ckpt", weights_only=True)["global_step"] == 8
+    resumed = fit_keeping_the_best(tmp_path / "resumed", ckpt_path=tmp_path / "resumed/checkpoints/last.ckpt")
+    assert resumed == (straight[0].replace("straight", "resumed"), straight[1])
