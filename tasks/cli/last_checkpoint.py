@@ -15,10 +15,11 @@ LAST_NAME = "last.ckpt"
 class LatestCheckpoint(Checkpoint):
     """Writes ``dirpath/last.ckpt`` with the latest training state, whatever the metric.
 
-    The file also keeps the metrics the run has logged so far (``trainer.callback_metrics``: the last
-    validation's), which Lightning does not checkpoint: a resumed run has them back before its first step, so a
-    ``ModelCheckpoint`` saving every ``n`` steps scores the steps before the next validation as the
-    uninterrupted run did (without them it skipped them, and the resumed run kept other best checkpoints).
+    The file also keeps the metrics the last validation logged, which Lightning does not checkpoint: a resumed
+    run has them back in ``trainer.callback_metrics`` before its first step, so a ``ModelCheckpoint`` saving
+    every ``n`` steps scores the steps before the next validation as the uninterrupted run did (without them
+    it skipped them, and the resumed run kept other best checkpoints). Training's metrics are not kept: those
+    logged per epoch are a mean over the steps a process ran, which no checkpoint can give back mid-epoch.
 
     Written every ``every_n_train_steps`` optimizer steps (``0``: never mid-epoch; a step that a
     validation or the epoch's end follows is written after them instead), at every
@@ -38,8 +39,9 @@ class LatestCheckpoint(Checkpoint):
         self.every_n_train_steps = int(every_n_train_steps or 0)
         self._saved_step = -1
         self._root_checked = False
-        self._trainer: Trainer | None = None
-        self._restored_metrics: dict = {}
+        self._before_validation: dict | None = None  # callback_metrics as a validation started
+        self._validation_metrics: dict = {}
+        self._restored = False
 
     @property
     def path(self) -> Path:
@@ -55,6 +57,7 @@ class LatestCheckpoint(Checkpoint):
         (``trainer.save_checkpoint`` is collective, rank 0 writes). ``None`` outside a fit."""
         if trainer.sanity_checking or trainer.state.fn != "fit" or trainer.fast_dev_run:
             return None
+        self._keep_validation_metrics(trainer)  # a stop signal saves from its own on_validation_end, before ours
         if self._saved_step != trainer.global_step:
             trainer.save_checkpoint(self.path)
             self._saved_step = trainer.global_step
@@ -62,15 +65,13 @@ class LatestCheckpoint(Checkpoint):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._root_checked = False
-        self._trainer = trainer
 
     def state_dict(self) -> dict:
-        metrics = self._trainer.callback_metrics if self._trainer is not None else {}
-        return {"callback_metrics": {name: value.detach().cpu() for name, value in metrics.items()
-                                     if hasattr(value, "detach")}}
+        return {"validation_metrics": self._validation_metrics}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._restored_metrics = dict(state_dict.get("callback_metrics", {}))
+        self._validation_metrics = dict(state_dict.get("validation_metrics", {}))
+        self._restored = True
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # strategies that restore after setup (FSDP, DeepSpeed) have not named the resumed checkpoint yet
@@ -79,9 +80,10 @@ class LatestCheckpoint(Checkpoint):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.refuse_overwriting_another_fit(trainer)
-        for name, value in self._restored_metrics.items():  # the resumed run's, as they were when it was saved
-            trainer.callback_metrics.setdefault(name, value)
-        self._restored_metrics = {}
+        if self._restored:  # the resumed run's last validation, as it was when the file was written
+            self._restored = False
+            for name, value in self._validation_metrics.items():
+                trainer.callback_metrics.setdefault(name, value)
 
     def refuse_overwriting_another_fit(self, trainer: Trainer) -> None:
         """Stop a fit that would overwrite the ``last.ckpt`` of an earlier fit in the same run root.
@@ -107,8 +109,19 @@ class LatestCheckpoint(Checkpoint):
                 and not validation_or_epoch_end_follows(trainer, batch_idx)):  # written after it instead
             self.save(trainer)
 
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._before_validation = dict(trainer.callback_metrics)
+
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._keep_validation_metrics(trainer)
         self.save(trainer)
+
+    def _keep_validation_metrics(self, trainer: Trainer) -> None:
+        # what the validation that just ended logged: the values it put in, new objects
+        if self._before_validation is not None and not trainer.sanity_checking:
+            self._validation_metrics = {name: value.detach().cpu() for name, value in trainer.callback_metrics.items()
+                                        if hasattr(value, "detach") and self._before_validation.get(name) is not value}
+        self._before_validation = None
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.save(trainer)
