@@ -158,7 +158,8 @@ def test_a_null_or_negative_batch_size_is_refused_naming_the_key(datamodule, key
     cls = import_class(datamodule)
     bad = [0] if key.startswith("eval_") else [None, 0, -4]
     for value in bad:
-        with pytest.raises(ValueError, match=rf"data.{key}={value!r}: give a positive whole number \(--data.{key} 32\)"):
+        expected = rf"data.{key}={value!r}: give a positive whole number \(--data.{key} 32\)"
+        with pytest.raises(ValueError, match=expected):
             cls(**{key: value})
 
 
