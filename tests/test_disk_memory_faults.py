@@ -83,7 +83,8 @@ def test_disk_full_during_a_checkpoint_write_names_it_and_keeps_the_last_checkpo
     room = int(4.5 * parameter_bytes(tmp_path))
     checkpoints = tmp_path / "run" / "checkpoints"
     command = [sys.executable, "-m", "tasks.classify", "fit", *TINY["classify"], *SHAPE_OVERRIDE["classify"], *QUIET,
-               "--trainer.max_steps", "3", "--checkpoint.every_n_train_steps", "1", "--trainer.default_root_dir", "run"]
+               "--trainer.max_steps", "3", "--checkpoint.every_n_train_steps", "1", "--trainer.default_root_dir",
+               str(tmp_path / "run")]
     code, output, left = on_small_disk(checkpoints, str(room), command, tmp_path)
     assert code not in (0, 99), output[-3000:]
     assert f"no space left on device writing checkpoint {checkpoints / 'last.ckpt'}: it needs about" in output
@@ -107,9 +108,12 @@ def test_disk_full_during_test_outputs_fails_and_leaves_the_folder_marked_unfini
 
 @pytest.mark.slow
 @needs_tmpfs
+@pytest.mark.xfail(strict=True, reason="datamodules.optimize exits on ENOSPC but LitData's conversion worker stays "
+                   "alive, blocked on a pipe, holding the command's output open: a caller waiting for the output "
+                   "hangs (/work/notes/fault_campaign_requests.md, section 5)")
 def test_disk_full_during_optimize_fails_and_writes_no_manifest(tmp_path):
     """``streaming.json`` is what marks an optimized folder usable: a conversion that ran out of space must not
-    leave one."""
+    leave one, and must end, every process of it."""
     output_dir = tmp_path / "optimized"
     command = [sys.executable, "-m", "datamodules.optimize", "--task", "classify", "--output", str(output_dir),
                "--num-workers", "1", "--chunk-bytes", "16kB"]
