@@ -124,6 +124,12 @@ def read_sidecar(path: str | Path) -> dict[str, Any]:
     return json.loads(Path(str(path) + ".json").read_text(encoding="utf-8"))
 
 
+def one_line(err: Exception) -> str:
+    """An exception's type and the first line of its message (at most 300 characters)."""
+    first = next((line for line in str(err).splitlines() if line.strip()), "")
+    return f"{type(err).__name__}: {first[:300]}"
+
+
 def in_batches(run: Callable[..., tuple], batch_limit: int | None) -> Callable[..., tuple]:
     """``run`` over inputs of any batch size: split along axis 0 into batches of at most ``batch_limit``."""
     if batch_limit is None:
@@ -133,8 +139,12 @@ def in_batches(run: Callable[..., tuple], batch_limit: int | None) -> Callable[.
         size = inputs[0].shape[0]
         if size <= batch_limit:
             return run(*inputs)
-        parts = [run(*(x[i:i + batch_limit] for x in inputs)) for i in range(0, size, batch_limit)]
-        return tuple(torch.cat(outs) for outs in zip(*parts))
+        starts = range(0, size, batch_limit)
+        parts = [run(*(x[i:i + batch_limit] for x in inputs)) for i in starts]
+        batches = [min(batch_limit, size - i) for i in starts]
+        # outputs with a batch axis are joined; one without (detection's anchors) is the same in every part
+        return tuple(torch.cat(outs) if all(len(o) == b for o, b in zip(outs, batches)) else outs[0]
+                     for outs in zip(*parts))
 
     return split_run
 
@@ -153,7 +163,10 @@ def export_program(target: str, program: TaskProgram, stem: Path, calibration: l
     module.require()
     exported = {}
     for graph in program.graphs:
-        exported[graph.name] = export_graph(graph, at_bounds=module.AT_BOUNDS)
+        try:
+            exported[graph.name] = export_graph(graph, at_bounds=module.AT_BOUNDS)
+        except Exception as err:  # torch.export does not take it with these bounds: one line, its own
+            raise Refused(f"{target}: the {graph.name or 'graph'} does not export ({one_line(err)})") from err
         reason = module.refusal(graph, exported[graph.name], int8)
         if reason:
             raise Refused(f"{target}{' int8' if int8 else ''}: {reason}")
@@ -166,8 +179,12 @@ def export_program(target: str, program: TaskProgram, stem: Path, calibration: l
     for graph in program.graphs:
         path = file_of(stem, graph, module.SUFFIX, int8)
         path.parent.mkdir(parents=True, exist_ok=True)
-        module.lower(graph, exported[graph.name], path, calibration if graph is program.graphs[0] else None,
-                     program.metadata)
+        try:
+            module.lower(graph, exported[graph.name], path, calibration if graph is program.graphs[0] else None,
+                         program.metadata)
+        except Exception as err:  # a graph the target's compiler does not take: one line, the compiler's own
+            raise Refused(f"{target}{' int8' if int8 else ''}: the {graph.name or 'graph'} does not lower "
+                          f"({one_line(err)})") from err
         report.files.append(path)
         if module.SIDECAR:
             report.files.append(write_sidecar(path, graph, program, target, int8, names))

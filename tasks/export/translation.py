@@ -159,11 +159,19 @@ def program(request: ExportRequest) -> TaskProgram:
     source = torch.export.Dim("source_length", min=2, max=longest)
     past = torch.export.Dim("past_length", min=0, max=longest)
     _, zero_past = example_inputs(model, past_length=0)
+    # the largest inputs (ExecuTorch plans its memory for the traced shapes)
+    widest = torch.full((MAX_BATCH, longest), model.eos_id, dtype=torch.long)
+    tokens, cross_kv, padding, past_kv = step_inputs
+    wide_step = (tokens[:1].expand(MAX_BATCH, 1).contiguous(),
+                 cross_kv[:1, :, :, :1].expand(MAX_BATCH, -1, -1, longest, -1).contiguous(),
+                 torch.zeros(MAX_BATCH, longest, dtype=torch.bool),
+                 past_kv[:1, :, :, :1].expand(MAX_BATCH, -1, -1, longest, -1).contiguous())
     encoder = ProgramGraph("encoder", TranslationEncoderGraph(model).eval(), (src,), *ENCODER_IO,
-                           ({0: batch, 1: source},), [((src,), "4 random sources")])
+                           ({0: batch, 1: source},), [((src,), "4 random sources")], bound_inputs=(widest,))
     step = ProgramGraph("decoder_step", TranslationDecoderStep(model).eval(), step_inputs, *STEP_IO,
                         ({0: batch}, {0: batch, 3: source}, {0: batch, 1: source}, {0: batch, 3: past}),
-                        [(step_inputs, "a decoder step after 3 tokens"), (zero_past, "the first decoder step")])
+                        [(step_inputs, "a decoder step after 3 tokens"), (zero_past, "the first decoder step")],
+                        bound_inputs=wide_step)
     return TaskProgram([encoder, step], metadata_of(model), DOCS, {"spm.model": model.tokenizer.serialized()},
                        int8_refusal="INT8 is built for the image tasks (static quantization calibrated on "
                                     "images); translation has no calibration path",
