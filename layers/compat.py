@@ -42,6 +42,10 @@ PRIVATE_NAMES = [
     ("lightning.pytorch.callbacks", "WeightAveraging._average_model",
      "layers.compat.weight_averaging_model: tasks.engine.ema gives Lightning's EMAWeightAveraging an average updated "
      "with foreach kernels and a host counter; the callback builds its AveragedModel in setup with no public hook"),
+    ("torch.amp", "GradScaler._scale",
+     "layers.compat.loss_scale_state: an fp16 step the guard skipped for an empty batch keeps its loss scale"),
+    ("torch.amp", "GradScaler._growth_tracker",
+     "layers.compat.loss_scale_state: ... and its count of steps towards growing it"),
     ("torch.nn.modules.batchnorm", "_BatchNorm",
      "layers.compat.is_batchnorm: which layers normalise with the batch's statistics while training"),
 ]
@@ -144,6 +148,13 @@ def set_weight_averaging_model(callback, averaged) -> None:
     Lightning builds it inside ``setup`` and takes no factory for it (its ``AveragedModel`` keyword arguments
     cannot change how ``update_parameters`` reads the device counter)."""
     callback._average_model = averaged
+
+
+def loss_scale_state(scaler) -> tuple:
+    """(scale, growth tracker): the 1-element device tensors a ``torch.amp.GradScaler`` keeps after its first
+    ``scale()``, which ``update()`` rewrites on the device. ``get_scale()`` reads the scale on the host (a sync)
+    and nothing public writes it back without one."""
+    return scaler._scale, scaler._growth_tracker
 
 
 def is_batchnorm(module) -> bool:

@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch import Callback
 
 from tasks.engine.optim import WarmupCosineLR
+from tests.test_fsdp import one_rank_group  # noqa: F401 - a fixture
 from tests.test_host_sync import OPTIMIZERS, PoisonStep, same_state
 
 WARMUP, TOTAL, BASE_LR = 2, 6, 0.01
@@ -230,3 +231,44 @@ def test_under_ddp_a_nonfinite_verdict_stops_the_run_two_steps_later_on_every_ra
     TaskModule.on_train_batch_start(StubModule(queue.guard, world_size=2, global_step=3), None, 0)  # reads 0, 1
     with pytest.raises(FloatingPointError, match=r"non-finite loss \(nan\) at global step 2"):
         TaskModule.on_train_batch_start(StubModule(queue.guard, world_size=2, global_step=4), None, 0)
+
+
+# -- fp16: a step skipped for an empty batch under DDP keeps the loss scale ----------------------------------------
+class StubTask(torch.nn.Module):
+    """What the guard reads of a task in a DDP run with the fp16 scaler: a network, the trainer's world size and
+    precision plugin, the step."""
+
+    def __init__(self, scaler):
+        from types import SimpleNamespace
+
+        super().__init__()
+        self.net = torch.nn.Linear(4, 2)
+        self.trainer = SimpleNamespace(world_size=2, precision_plugin=SimpleNamespace(scaler=scaler),
+                                       lr_scheduler_configs=[])
+        self.global_step = self.current_epoch = 0
+
+    def log(self, *args, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize("batch, scale_after", [("empty", 16.0), ("nan loss", 8.0)])
+def test_an_fp16_step_skipped_for_an_empty_batch_keeps_the_loss_scale(batch, scale_after, one_rank_group):  # noqa: F811
+    """The guard skips through the scaler by poisoning a gradient; the scaler then backs its scale off. Right for a
+    NaN loss (an fp16 overflow), wrong for a batch with no readable image: its scale and growth count come back.
+    (A gloo group of this process alone, tests/test_fsdp.py's: the guard's all-reduce runs; the stub says 2 ranks.)"""
+    from tasks.engine.nonfinite import NonFiniteGuard
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    task = StubTask(scaler)
+    optimizer = torch.optim.AdamW(task.parameters(), lr=0.1, fused=True)
+    before = {k: v.clone() for k, v in task.state_dict().items()}
+    guard = NonFiniteGuard("skip")
+    loss = task.net(torch.randn(3, 4)).sum() * (float("nan") if batch == "nan loss" else 1.0)
+    loss = guard.guard(task, None if batch == "empty" else loss, 0)
+    scaler.scale(loss).backward()
+    guard.before_optimizer_step(task, optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    guard.after_optimizer_step(optimizer, scaler)
+    assert scaler.get_scale() == scale_after
+    assert all(torch.equal(v, task.state_dict()[k]) for k, v in before.items())  # no update either way

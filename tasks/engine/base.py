@@ -251,7 +251,8 @@ class TaskModule(LightningModule):
             super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         finally:
             self.nonfinite_guard.after_optimizer_step(
-                optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
+                optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer,
+                getattr(self.trainer.precision_plugin, "scaler", None))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.trainer.world_size > 1:

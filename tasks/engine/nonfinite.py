@@ -19,7 +19,7 @@ import torch.nn as nn
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 
-from layers.compat import skip_update_on_device, supports_device_skip
+from layers.compat import loss_scale_state, skip_update_on_device, supports_device_skip
 from tasks.engine.optim import rewind_schedule
 
 
@@ -93,6 +93,8 @@ class NonFiniteGuard:
         self.logged_nonfinite_steps = 0
         self.verdicts: list[LossVerdict] = []  # on their way to the host, oldest first
         self.step_usable: torch.Tensor | None = None  # device verdict of this optimizer step's batches
+        self.step_finite: torch.Tensor | None = None  # ... and whether all their losses were finite
+        self.kept_scale: tuple | None = None  # (keep?, scale, growth tracker) to restore after an fp16 step
         self.applied_usable: torch.Tensor | None = None  # the verdict the coming update was given
         self.last_batch = 0  # the batch index of the latest guarded batch (the step's last, under accumulation)
         self.rewound_step = -1  # the latest skipped step the schedule was moved back for
@@ -120,8 +122,9 @@ class NonFiniteGuard:
         verdict = torch.stack([finite, torch.zeros_like(finite) if empty else finite]).float()
         if distributed:  # every rank skips if one must; no barrier, so the host does not wait
             torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN)
-        usable = verdict[1] > 0
+        usable, finite_everywhere = verdict[1] > 0, verdict[0] > 0
         self.step_usable = usable if self.step_usable is None else self.step_usable & usable
+        self.step_finite = finite_everywhere if self.step_finite is None else self.step_finite & finite_everywhere
         self.verdicts.append(LossVerdict.copy(module.global_step, module.current_epoch, batch_idx,
                                               torch.cat([verdict, loss.detach().float().reshape(1)])))
         return loss
@@ -138,6 +141,7 @@ class NonFiniteGuard:
         before the update, and a step to skip drops its gradients. With gradient accumulation one unusable
         batch skips the whole accumulated step."""
         usable, self.step_usable = self.step_usable, None
+        finite, self.step_finite = self.step_finite, None
         self.applied_usable = usable
         if usable is None:  # nothing was trained on: no gradients to apply
             return
@@ -147,6 +151,10 @@ class NonFiniteGuard:
             grad = next(grads, None)
             if grad is not None:
                 grad.masked_fill_(~usable, float("nan"))
+                # the scaler takes that gradient for an overflow and halves its scale: right for a non-finite
+                # loss (fp16 overflowing), wrong for a batch with nothing to train on (finite, not usable)
+                scale, growth = loss_scale_state(scaler)
+                self.kept_scale = (finite & ~usable, scale.clone(), growth.clone())
             return
         if supports_device_skip(optimizer) and optimizer.state:
             skip_update_on_device(optimizer, ~usable)
@@ -174,10 +182,17 @@ class NonFiniteGuard:
         self.verdicts.append(LossVerdict.copy(module.global_step, module.current_epoch, self.last_batch, values,
                                               what="gradient"))
 
-    @staticmethod
-    def after_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
-        """The device verdict was this step's only: the next step's update is not conditional on it."""
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer, scaler=None) -> None:
+        """The device verdict was this step's only: the next step's update is not conditional on it. Under fp16, a
+        step skipped for an empty batch gets the loss scale (and its growth count) it had before the step, on the
+        device, as if the scaler had not seen it."""
         skip_update_on_device(optimizer, None)
+        kept, self.kept_scale = self.kept_scale, None
+        if kept is not None and scaler is not None:
+            keep, old_scale, old_growth = kept
+            scale, growth = loss_scale_state(scaler)
+            scale.copy_(torch.where(keep, old_scale, scale))
+            growth.copy_(torch.where(keep, old_growth, growth))
 
     def resolve(self, module: LightningModule, wait: bool, log: bool, upto: int | None = None) -> list[tuple[int, bool]]:
         """Read the verdicts that reached the host (all of them with ``wait``; with ``upto``, exactly those of
