@@ -51,6 +51,8 @@ RUNTIME_NAMES = {"eager": "eager PyTorch", "executorch": "ExecuTorch XNNPACK fp3
                  "executorch-int8": "ExecuTorch XNNPACK INT8", "onnx": "ONNX Runtime fp32"}
 #: MobileViTv2 width -> the MobileViT v1 size it is set against (nearest in ImageNet-1k top-1 and
 #: parameters: 0.5 / XXS, 0.75 / XS, 1.0 / S; tests/test_mobilevit.py holds the papers' parameter counts)
+#: a cell of a runtime that a run (joined with --merge) did not measure
+NOT_RUN = "not run"
 PAIRS = {0.5: "xxs", 0.75: "xs", 1.0: "s"}
 PAPER = ("The paper's iPhone latencies (MobileViTv2, arXiv 2206.02680, ImageNet-1k classification comparison, "
          "measured with Core ML on an iPhone) are not in this repository and are not copied here: see the paper. "
@@ -149,13 +151,13 @@ def latency_table(rows: list[dict], runtimes: list[str]) -> str:
     head = "| model | params (M) | " + " | ".join(f"{RUNTIME_NAMES[r]} ms, median / best" for r in runtimes) + " |"
     lines = [head, "| --- | ---: |" + " ---: |" * len(runtimes)]
     for row in rows:
-        cells = [f"{row['cells'][r]['median']:.1f} / {row['cells'][r]['best']:.1f}" for r in runtimes]
+        cells = [f"{c['median']:.1f} / {c['best']:.1f}" if (c := row["cells"].get(r)) else NOT_RUN for r in runtimes]
         lines.append(f"| {row['model']} | {row['params']:.2f} | " + " | ".join(cells) + " |")
     lines += ["", "Largest |logit - eager logit| (random weights, one image) and seconds to build each runtime:", "",
               "| model | " + " | ".join(RUNTIME_NAMES[r] for r in runtimes) + " |",
               "| --- |" + " ---: |" * len(runtimes)]
     for row in rows:
-        cells = [f"{row['cells'][r]['diff']:.1e} ({row['cells'][r]['build_s']:.0f} s)" for r in runtimes]
+        cells = [f"{c['diff']:.1e} ({c['build_s']:.0f} s)" if (c := row["cells"].get(r)) else NOT_RUN for r in runtimes]
         lines.append(f"| {row['model']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -170,9 +172,13 @@ def verdict(rows: list[dict], runtimes: list[str]) -> str:
     lines = ["| runtime | " + " | ".join(f"{s} / {v2} (median)" for v2, s in pairs) + " | v2 faster in every pair |",
              "| --- |" + " ---: |" * len(pairs) + " --- |"]
     for runtime in runtimes:
-        ratios = [by_label[s]["cells"][runtime]["median"] / by_label[v2]["cells"][runtime]["median"] for v2, s in pairs]
-        lines.append(f"| {RUNTIME_NAMES[runtime]} | " + " | ".join(f"{r:.2f}" for r in ratios)
-                     + f" | {'yes' if all(r > 1 for r in ratios) else 'no'} |")
+        ratios = [by_label[s]["cells"][runtime]["median"] / by_label[v2]["cells"][runtime]["median"]
+                  if runtime in by_label[s]["cells"] and runtime in by_label[v2]["cells"] else None for v2, s in pairs]
+        measured = [r for r in ratios if r is not None]
+        faster = ("yes" if all(r > 1 for r in measured) else "no") + ("" if len(measured) == len(ratios) else
+                                                                      " (of the pairs measured)")
+        lines.append(f"| {RUNTIME_NAMES[runtime]} | " + " | ".join(NOT_RUN if r is None else f"{r:.2f}" for r in ratios)
+                     + f" | {faster if measured else NOT_RUN} |")
     return "\n".join(lines)
 
 

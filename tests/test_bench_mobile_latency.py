@@ -47,11 +47,12 @@ def test_merge_joins_the_rows_of_runs_made_side_by_side_without_measuring_again(
 
     (tmp_path / "a.json").write_text(json.dumps(rows("mobilevit-xxs", 1.27, 30.0, "python run-a")))
     (tmp_path / "b.json").write_text(json.dumps(rows("mobilevitv2-0.5", 1.37, 20.0, "python run-b")))
-    report = bench.main(["--widths", "0.5", "--sizes", "xxs", "--runtimes", "eager",
+    report = bench.main(["--widths", "0.5", "--sizes", "xxs", "--runtimes", "eager", "onnx",
                          "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     lines = report.splitlines()
-    assert lines.index("| mobilevitv2-0.5 | 1.37 | 20.0 / 19.0 |") < lines.index("| mobilevit-xxs | 1.27 | 30.0 / 29.0 |")
-    assert "| eager PyTorch | 1.50 | yes |" in report
+    assert lines.index("| mobilevitv2-0.5 | 1.37 | 20.0 / 19.0 | not run |") < lines.index(
+        "| mobilevit-xxs | 1.27 | 30.0 / 29.0 | not run |")
+    assert "| eager PyTorch | 1.50 | yes |" in report and "| ONNX Runtime fp32 | not run | not run |" in report
     assert "`python run-b`; `python run-a`; `python benchmarks/bench_mobile_latency.py --widths 0.5" in report
 
 
