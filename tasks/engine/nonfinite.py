@@ -3,9 +3,12 @@ host wait for the device to find out.
 
 Each training batch's verdict (finite, and usable on every rank) is computed on the device, copied to the host
 without waiting (:class:`LossVerdict`), and turned into a no-op update on the device where the optimizer allows
-it (a fused optimizer's ``found_inf``). The host reads the verdicts later: as they arrive, and all of them
-before any checkpoint, validation or the end of training. A non-finite loss then raises, naming its step and
-batch, or (``on_nonfinite_loss="skip"``) is warned about and counted. :class:`NonFiniteGuard` is the whole
+it (a fused optimizer's ``found_inf``). Without a gradient scaler, the total gradient norm the clipping computes
+joins the verdict the same way (a NaN/inf gradient from a finite loss). The host reads the verdicts later: as
+they arrive (under DDP: exactly those two steps old, so that every rank decides at the same step), and all of
+them before any checkpoint, validation or the end of training. A non-finite loss or gradient then raises, naming
+its step and batch, or (``on_nonfinite_loss="skip"``) is warned about and counted, and the per-step learning-rate
+schedule is moved back one step. :class:`NonFiniteGuard` is the whole
 mechanism; ``TaskModule`` calls it from its training hooks.
 """
 from __future__ import annotations
