@@ -3,9 +3,13 @@ run back here with ExecuTorch's Python runtime (``executorch.runtime.Runtime``);
 the metadata (a ``.pte`` has no slot for it).
 
 torch.export -> ``to_edge_transform_and_lower`` with the ``XnnpackPartitioner`` -> ``to_executorch``.
-Memory is planned for the shapes the graph is traced at, so it is traced at the largest it allows: the
-batch is bounded (:data:`tasks.export.programs.MAX_BATCH`; the runner splits larger batches) and so are
-the sides where they may vary (twice the export size). ``--int8``: post-training static quantization in PT2E form with
+Memory is planned for the shapes the graph is traced at, so it is traced at the largest it allows.
+Image programs are static: ExecuTorch 1.5.1 planned the copies outside the XNNPACK delegate (the
+MobileViT graphs' ``_clone_dim_order``) with the traced shape, so a dynamic batch failed at run time
+("Attempted to resize a static tensor"). They take a batch of :data:`tasks.export.programs.MAX_BATCH`
+images at the export size (``static_batch`` and ``image_size`` in the sidecar); the runner pads a
+smaller batch and splits a larger one. Translation's encoder and decoder step keep their dynamic batch
+and lengths (traced at the largest: batch 16, 127 tokens). ``--int8``: post-training static quantization in PT2E form with
 ExecuTorch's ``XNNPACKQuantizer`` (symmetric, per-channel weights), calibrated on the calibration images,
 then lowered the same way (the quantized convolutions and linears run as XNNPACK int8 kernels).
 """
@@ -63,21 +67,42 @@ def lower(graph: ProgramGraph, exported: torch.export.ExportedProgram, path: Pat
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
-    if calibration is not None:
-        exported = export_graph(dataclasses.replace(graph, module=quantized(exported, calibration)), at_bounds=True)
+    if calibration is not None or graph.static_for_executorch:
+        module = quantized(exported, calibration) if calibration is not None else graph.module
+        exported = export_graph(dataclasses.replace(graph, module=module), at_bounds=True,
+                                static=graph.static_for_executorch)
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
     program = edge.to_executorch()
     path.write_bytes(program.buffer)
     return path
 
 
+def sidecar_fields(graph: ProgramGraph) -> dict:
+    """What the sidecar says of a static program: the one batch size and input shape it takes."""
+    if not graph.static_for_executorch:
+        return {}
+    return {"static_batch": MAX_BATCH, "static_input_shape": list(graph.bound_inputs[0].shape)}
+
+
 def load(path: Path):
-    """The ``.pte``'s ``forward`` as a callable of tensors -> tuple of tensors (batches split at :data:`MAX_BATCH`)."""
+    """The ``.pte``'s ``forward`` as a callable of tensors -> tuple of tensors (batches split at
+    :data:`MAX_BATCH`; for a static program, a smaller batch padded with zeros and the outputs cut back)."""
     from executorch.runtime import Runtime
+    from tasks.export.programs import read_sidecar
 
     method = Runtime.get().load_program(Path(path)).load_method("forward")
+    shape = read_sidecar(path).get("static_input_shape")
 
     def run(*inputs: torch.Tensor) -> tuple:
-        return as_tuple(method.execute([x.contiguous() for x in inputs]))
+        if shape is None:
+            return as_tuple(method.execute([x.contiguous() for x in inputs]))
+        images = inputs[0]
+        if list(images.shape[1:]) != shape[1:]:
+            raise ValueError(f"{Path(path).name} is a static program of {shape[2]}x{shape[3]} images, got "
+                             f"{images.shape[-2]}x{images.shape[-1]}: export at that size (--data.image_size)")
+        n = len(images)
+        padded = torch.cat([images, images.new_zeros(shape[0] - n, *shape[1:])]) if n < shape[0] else images
+        return tuple(out[:n] if out.shape[:1] == (shape[0],) else out
+                     for out in as_tuple(method.execute([padded.contiguous()])))
 
     return in_batches(run, MAX_BATCH)

@@ -55,6 +55,8 @@ class ProgramGraph:
     compare: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], str], list[Check]] | None = None
     #: inputs at the largest shapes the dynamic axes allow (ExecuTorch plans its memory for the example's)
     bound_inputs: tuple | None = None
+    #: ExecuTorch: a static program at ``bound_inputs``' shapes, smaller batches padded (see executorch.py)
+    static_for_executorch: bool = False
 
     def checks(self, expected: Sequence[torch.Tensor], got: Sequence[torch.Tensor], where: str) -> list[Check]:
         if self.compare is not None:
@@ -90,7 +92,7 @@ def eager(graph: ProgramGraph, inputs: tuple) -> tuple:
         return as_tuple(graph.module(*inputs))
 
 
-def export_graph(graph: ProgramGraph, at_bounds: bool = False) -> torch.export.ExportedProgram:
+def export_graph(graph: ProgramGraph, at_bounds: bool = False, static: bool = False) -> torch.export.ExportedProgram:
     """``torch.export`` of ``graph`` with its dynamic shapes, traced on its example inputs or, ``at_bounds``,
     on its inputs at the largest shapes (where it has them)."""
     if not isinstance(graph.module, torch.fx.GraphModule):  # an exported module (PT2E) has no eval mode to set
@@ -98,7 +100,8 @@ def export_graph(graph: ProgramGraph, at_bounds: bool = False) -> torch.export.E
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.export's notes on internals are not for the user
         inputs = graph.bound_inputs if at_bounds and graph.bound_inputs is not None else graph.example_inputs
-        return torch.export.export(graph.module, inputs, dynamic_shapes=graph.dynamic_shapes, strict=False)
+        return torch.export.export(graph.module, inputs, dynamic_shapes=None if static else graph.dynamic_shapes,
+                                   strict=False)
 
 
 def file_of(stem: Path, graph: ProgramGraph, suffix: str, int8: bool) -> Path:
@@ -107,14 +110,14 @@ def file_of(stem: Path, graph: ProgramGraph, suffix: str, int8: bool) -> Path:
     return stem.with_name(".".join(parts) + suffix)
 
 
-def write_sidecar(path: Path, graph: ProgramGraph, program: TaskProgram, target: str, int8: bool,
+def write_sidecar(path: Path, graph: ProgramGraph, metadata: dict, docs: dict, target: str, int8: bool,
                   files: dict[str, str]) -> Path:
     """``<file>.json`` beside a program whose format has no metadata slot: the ONNX file's ``suite.*``
     metadata, plus the target, the graph's inputs and outputs with their docs and the other files."""
     sidecar = path.with_name(path.name + ".json")
-    meta = {**program.metadata, "format": target, "int8": int8, "graph": graph.name or "model",
-            "inputs": {n: program.docs.get(n, "") for n in graph.input_names},
-            "outputs": {n: program.docs.get(n, "") for n in graph.output_names}, "files": files}
+    meta = {**metadata, "format": target, "int8": int8, "graph": graph.name or "model",
+            "inputs": {n: docs.get(n, "") for n in graph.input_names},
+            "outputs": {n: docs.get(n, "") for n in graph.output_names}, "files": files}
     sidecar.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     return sidecar
 
@@ -187,7 +190,9 @@ def export_program(target: str, program: TaskProgram, stem: Path, calibration: l
                           f"({one_line(err)})") from err
         report.files.append(path)
         if module.SIDECAR:
-            report.files.append(write_sidecar(path, graph, program, target, int8, names))
+            extra = module.sidecar_fields(graph) if hasattr(module, "sidecar_fields") else {}
+            report.files.append(write_sidecar(path, graph, {**program.metadata, **extra}, program.docs, target,
+                                              int8, names))
         run = module.load(path)
         runners[graph.name or "model"] = run
         io = f"{', '.join(graph.input_names)} -> {', '.join(graph.output_names)}"
@@ -196,7 +201,12 @@ def export_program(target: str, program: TaskProgram, stem: Path, calibration: l
             report.notes.append(f"{path.name}: {module.CANNOT_RUN}")
             continue
         for inputs, where in graph.parity_inputs:
-            expected, got = eager(graph, inputs), as_tuple(run(*inputs))
+            try:
+                got = as_tuple(run(*inputs))
+            except ValueError as err:  # a static program's other size: said, not compared
+                report.notes.append(f"not compared, {where}: {err}")
+                continue
+            expected = eager(graph, inputs)
             checks = graph.checks(expected, got, where)
             if int8:  # quantized outputs are not the float ones: reported here, bounded by the score
                 report.notes += [f"int8 {c.what}: {c.difference:.3g}" for c in checks]
@@ -240,7 +250,7 @@ def image_program(request: ExportRequest, graph: nn.Module, outputs: Sequence[st
     parity = [((x,), where) for x, where in parity_images(sides)]
     largest = 2 * size if multiple else size
     graph_spec = ProgramGraph("", graph.eval(), (images,), ["images"], list(outputs), (image_dims(multiple, size),),
-                              parity, compare, (seeded_images(MAX_BATCH, largest, largest),))
+                              parity, compare, (seeded_images(MAX_BATCH, size, size),), static_for_executorch=True)
     note = size_note(multiple, size, fixed_reason or model.backbone.fixed_size_reason)
     note += f"; batch up to {MAX_BATCH}{f', sides up to {largest}' if multiple else ''} (larger batches are split)"
     return TaskProgram([graph_spec], {**metadata, **image_metadata(request.spec, size, multiple)}, docs, notes=[note])
