@@ -489,6 +489,12 @@ class Cell:
         if killed is not None and killed.outcome:
             return killed
         result = killed or Outcome(asdict(fault), "", killed="finished before the kill")
+        if killed is None:  # a random moment after the run's end: its own last.ckpt is the result
+            straight, finished = self.dir / "straight", self.dir / root
+            differences = in_child(compare_checkpoints, straight / "checkpoints" / "last.ckpt",
+                                   finished / "checkpoints" / "last.ckpt", (str(straight), str(finished)))
+            result.outcome, result.detail = ("failure" if differences else "identical"), "; ".join(differences)
+            return result
         if fault.kind == "resume":  # killed again in the first step after resuming
             code, info, run = self._resume(fault, root, f"{root}.resume1.log", f"resume:0:{fault.rank}")
             again = self._killed(fault, code, info, run, self.dir / root)
@@ -655,6 +661,10 @@ def report(results: list[dict], command: str) -> str:
                   f"The surviving rank exited {len(peers)} times after its peer was killed: median "
                   f"{sorted(peers)[len(peers) // 2]:.1f} s, at most {max(peers):.1f} s after the first rank died "
                   f"(bound: {PEER_BOUND_S:.0f} s).", ""]
+    late = sum(r.get("killed") == "finished before the kill" for r in results)
+    if late:
+        lines += [f"{late} of the random-moment kills came after the run had ended: the complete run's own last.ckpt "
+                  "is compared.", ""]
     bad = [r for r in results if r["outcome"] in ("failure", "hang", "looks complete")]
     if bad:
         lines += ["## Not identical", ""]
