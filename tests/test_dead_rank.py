@@ -69,3 +69,30 @@ def test_ddp_and_fsdp_get_torchs_nccl_timeout_for_their_collectives():
     assert type(ddp) is DDPStrategy and ddp._timeout == COLLECTIVE_TIMEOUT
     assert isinstance(fsdp, FullyShardedStrategy) and fsdp._timeout == COLLECTIVE_TIMEOUT
     assert sharded_strategy("ddp_spawn") == "ddp_spawn" and sharded_strategy("auto") == "auto"
+
+
+def test_peer_watch_ends_a_process_blocked_as_in_a_collective_once_its_peer_is_gone(tmp_path):
+    """What NCCL needs (gloo's collective fails by itself, so the CLI runs above end through the error): the main
+    thread sits in a call that never returns, the peer process dies, and the watch thread prints the summary and
+    ends the process with code 1 within seconds."""
+    import subprocess
+    import time
+
+    script = """
+import subprocess, sys, time
+from tasks.cli.preemption import PeerWatch
+peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+def summary(why):
+    return "resume with: python -m tasks.classify fit --ckpt_path last (" + why + ")"
+watch = PeerWatch([peer], None, summary, period=0.2)
+watch.start()
+peer.wait()  # the peer ends with 0: not gone
+watch.children = [subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])]
+time.sleep(120)  # a collective that never returns
+"""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert time.monotonic() - started < 100  # not the 120 s sleep
+    assert "resume with: python -m tasks.classify fit --ckpt_path last (process" in proc.stderr
+    assert "exited with code -9)" in proc.stderr

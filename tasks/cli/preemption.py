@@ -70,7 +70,7 @@ class Preemption(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit" and trainer.world_size > 1 and self._watch is None:
-            self._watch = PeerWatch.start(trainer, lambda why: self.peer_summary(trainer, why))
+            self._watch = PeerWatch.for_trainer(trainer, lambda why: self.peer_summary(trainer, why))
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # a rank that finished may exit before its peers: from here on, a peer that is gone is not a failure
@@ -211,13 +211,14 @@ class PeerWatch(threading.Thread):
         self._stopped = threading.Event()
 
     @classmethod
-    def start(cls, trainer: Trainer, summary) -> "PeerWatch | None":
+    def for_trainer(cls, trainer: Trainer, summary) -> "PeerWatch | None":
+        """A started watch for this rank of ``trainer``'s run, ``None`` when there is nothing to watch."""
         children = list(getattr(trainer.strategy.launcher, "procs", None) or [])
         parent = os.getppid() if not children and int(os.environ.get("LOCAL_RANK", "0")) > 0 else None
         if not children and parent in (None, 1):
             return None
         watch = cls(children, parent, summary)
-        threading.Thread.start(watch)
+        watch.start()
         return watch
 
     def stop(self) -> None:
