@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import yaml
+import torch
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
@@ -74,7 +75,7 @@ from tasks.cli.loggers import (SaveConfigToRun, default_logger, link_wandb_runs,
 from tasks.cli.preemption import Preemption, resume_command
 from tasks.cli.progress import LineProgress, stdout_is_terminal
 from tasks.cli.resume import ResumeGuard, RunLock, check_run_root, parse_allowed, resume_settings
-from tasks.cli.runtime import ThreadsFollowLoad, reuse_freed_memory
+from tasks.cli.runtime import ThreadsFollowLoad, cuda_speed_settings, reuse_freed_memory
 from tasks.cli.sharding import check_sharding, sharded_strategy
 from tasks.cli.throughput import Throughput
 from tasks.engine.checkpoints import check_checkpoint_file, plain, read_checkpoint
@@ -300,6 +301,13 @@ class SuiteCLI(LightningCLI):
             plugins.append(AtomicCheckpointIO())
         # `fsdp` is the suite's FSDP2 strategy (tasks/cli/sharding.py), not Lightning's FSDP1
         kwargs.setdefault("strategy", sharded_strategy(trainer.get("strategy", "auto")))
+        if self.subcommand in (None, "fit") and str(trainer.get("accelerator")) in ("gpu", "cuda", "auto") \
+                and torch.cuda.is_available():
+            # cudnn.benchmark and TF32 per recipe (fixed-size crops, 32-true demos), as benchmarks/gpu_suite.py runs
+            speed = cuda_speed_settings(self.task, trainer)
+            if speed["benchmark"] is not None:
+                kwargs.setdefault("benchmark", speed["benchmark"])
+            torch.set_float32_matmul_precision(speed["float32_matmul_precision"])
         # Lightning adds the `preemption` callback and the config-saving one to these
         trainer = super().instantiate_trainer(callbacks=callbacks, plugins=plugins, **kwargs)
         self.apply_cpu_plan(trainer)
