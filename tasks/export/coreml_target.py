@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import warnings
 from pathlib import Path
 
 import torch
@@ -67,19 +66,13 @@ def refusal(graph: ProgramGraph, exported: torch.export.ExportedProgram, int8: b
 
 
 def lower(graph: ProgramGraph, exported: torch.export.ExportedProgram, path: Path, calibration, metadata: dict) -> Path:
-    """Convert ``graph`` at batch 1 and its example size into a float32 ML program at ``path``."""
-    import coremltools as ct
+    """Convert ``graph`` at batch 1 and its example size into a float32 ML program at ``path``
+    (:func:`tasks.export.coreml.convert`, which runs the blocks in their Core ML layout)."""
+    from tasks.export.coreml import convert
 
     one = tuple(x[:1] for x in graph.example_inputs)
-    with torch.no_grad(), warnings.catch_warnings(), core_ml_layout(graph.module):
-        warnings.simplefilter("ignore")
-        fixed = torch.export.export(graph.module, one, strict=False).run_decompositions({})
-        model = ct.convert(fixed, convert_to="mlprogram", compute_precision=ct.precision.FLOAT32,
-                           minimum_deployment_target=ct.target.iOS16)
-    model.user_defined_metadata.update({f"suite.{k}": v if isinstance(v, str) else json.dumps(v)
-                                        for k, v in metadata.items()})
-    model.save(str(path))
-    return path
+    return convert(graph.module, one, path, {f"suite.{k}": v if isinstance(v, str) else json.dumps(v)
+                                             for k, v in metadata.items()})
 
 
 def load(path: Path):
