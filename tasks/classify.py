@@ -117,7 +117,9 @@ class ClassificationTask(LearnsFromTeacher, Predictor, TaskModule):
             loss = mixed_loss(self.distillation, task_loss, distill)
             self.log("train/task_loss", task_loss, batch_size=batch_size)
             self.log("train/distill_loss", distill, batch_size=batch_size)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
+        # not prog_bar: Lightning turns progress-bar values into floats every batch (a host sync); the bars
+        # read the loss from callback_metrics at their own interval (tasks.cli.progress.training_loss)
+        self.log("train/loss", loss, prog_bar=False, batch_size=batch_size)
         return loss
 
     def _eval_step(self, batch: dict, stage: str, top1, top5) -> torch.Tensor:

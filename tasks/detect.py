@@ -154,7 +154,9 @@ class DetectionTask(Predictor, TaskModule):
     def training_loss(self, batch: dict, batch_idx: int) -> torch.Tensor:
         images, targets = batch["image"], batch["targets"]
         losses = self.head.loss(self(images), targets, images.shape[-2:])
-        self.log("train/loss", losses["loss"], prog_bar=True, batch_size=len(images))
+        # not prog_bar: Lightning turns progress-bar values into floats every batch (a host sync); the bars
+        # read the loss from callback_metrics at their own interval (tasks.cli.progress.training_loss)
+        self.log("train/loss", losses["loss"], prog_bar=False, batch_size=len(images))
         self.log_dict({"train/loss_cls": losses["loss_cls"], "train/loss_box": losses["loss_box"]},
                       batch_size=len(images))
         return losses["loss"]

@@ -149,7 +149,9 @@ class SegmentationTask(LearnsFromTeacher, Predictor, TaskModule):
             self.log("train/task_loss", losses["loss"], batch_size=len(images))
             self.log("train/distill_loss", distill, batch_size=len(images))
             losses["loss"] = mixed_loss(self.distillation, losses["loss"], distill)
-        self.log("train/loss", losses["loss"], prog_bar=True, batch_size=len(images))
+        # not prog_bar: Lightning turns progress-bar values into floats every batch (a host sync); the bars
+        # read the loss from callback_metrics at their own interval (tasks.cli.progress.training_loss)
+        self.log("train/loss", losses["loss"], prog_bar=False, batch_size=len(images))
         if "aux_loss" in losses:
             self.log("train/aux_loss", losses["aux_loss"], batch_size=len(images))
         return losses["loss"]

@@ -220,7 +220,9 @@ class TranslationTask(Predictor, TaskModule):
         n = tokens.clamp(min=1)
         loss = loss_sum / n
         # tensors, logged per step: Lightning reads them when it writes the logs, not here
-        self.log("train/loss", loss, prog_bar=True)
+        # not prog_bar: Lightning turns progress-bar values into floats every batch (a host sync); the bars
+        # read the loss from callback_metrics at their own interval (tasks.cli.progress.training_loss)
+        self.log("train/loss", loss, prog_bar=False)
         self.log("train/ppl", (nll_sum / n).clamp(max=50.0).exp())
         self.log("train/target_tokens", tokens.float(), reduce_fx="sum", on_step=False, on_epoch=True)
         return loss

@@ -13,7 +13,16 @@ import sys
 import time
 from datetime import timedelta
 
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
+
+
+def training_loss(trainer) -> float | None:
+    """The last logged training loss as a number: one host read of a device value, so a display calls it at
+    its own interval, never every batch (the tasks log ``train/loss`` off the progress bar, whose values
+    Lightning turns into numbers every batch)."""
+    metrics = trainer.callback_metrics
+    loss = metrics.get("train/loss_step", metrics.get("train/loss"))
+    return None if loss is None else float(loss)
 
 
 def stdout_is_terminal() -> bool:
@@ -71,10 +80,9 @@ class LineProgress(ProgressBar):
         parts = [f"fit epoch {trainer.current_epoch + 1}" + (f"/{trainer.max_epochs}" if trainer.max_epochs else ""),
                  f"step {step}" + (f"/{max_steps}" if max_steps else ""),
                  f"(batch {batch_idx + 1}" + (f"/{int(batches)})" if batches != float("inf") else ")")]
-        metrics = self.get_metrics(trainer, pl_module)
-        loss = metrics.get("train/loss_step", metrics.get("train/loss"))
+        loss = training_loss(trainer)
         if loss is not None:
-            parts.append(f"loss {float(loss):.4f}")
+            parts.append(f"loss {loss:.4f}")
         line = " ".join(parts) + f" | {rate:.2f} it/s"
         for callback in trainer.callbacks:  # tasks.cli.throughput.Throughput: "812 img/s, data wait 3.0 %"
             text = callback.progress_text() if hasattr(callback, "progress_text") else ""
@@ -116,3 +124,24 @@ class LineProgress(ProgressBar):
 
     def on_predict_end(self, trainer, pl_module) -> None:
         self._eval_ended("predict", "")
+
+
+class RichProgress(RichProgressBar):
+    """Lightning's Rich bar with the training loss beside its metrics, read at most every ``loss_every_seconds``
+    (:func:`training_loss`): what a terminal shows without a host sync per batch."""
+
+    def __init__(self, *args, loss_every_seconds: float = 1.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_every_seconds = loss_every_seconds
+        self._loss: float | None = None
+        self._loss_read = float("-inf")
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        if trainer.training:
+            now = time.monotonic()
+            if now - self._loss_read >= self.loss_every_seconds:
+                self._loss, self._loss_read = training_loss(trainer), now
+            if self._loss is not None:
+                metrics["loss"] = f"{self._loss:.4f}"
+        return metrics

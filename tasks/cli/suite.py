@@ -73,7 +73,7 @@ from tasks.cli.links import link_image_size, link_weights
 from tasks.cli.loggers import (SaveConfigToRun, default_logger, link_wandb_runs, logger_summary,
                               route_loggers_to_run_root)
 from tasks.cli.preemption import Preemption, resume_command
-from tasks.cli.progress import LineProgress, stdout_is_terminal
+from tasks.cli.progress import LineProgress, RichProgress, stdout_is_terminal
 from tasks.cli.resume import ResumeGuard, RunLock, check_run_root, parse_allowed, resume_settings
 from tasks.cli.runtime import ThreadsFollowLoad, cuda_speed_settings, reuse_freed_memory
 from tasks.cli.sharding import check_sharding, sharded_strategy
@@ -295,6 +295,8 @@ class SuiteCLI(LightningCLI):
         if not stdout_is_terminal():
             # a redrawn bar in a log file is one frame per run: print plain lines instead
             callbacks = [LineProgress() if isinstance(c, RichProgressBar) else c for c in callbacks]
+        else:  # Lightning's own bar, with the loss read at the bar's interval (tasks.cli.progress.RichProgress)
+            callbacks = [RichProgress() if type(c) is RichProgressBar else c for c in callbacks]
         # atomic checkpoint files for every task, unless the recipe brings its own CheckpointIO
         plugins = _as_list(trainer.get("plugins"))
         if not any(isinstance(p, CheckpointIO) for p in plugins):
