@@ -16,22 +16,14 @@ layers (LayerNorm, multi-head attention with 4 heads, SiLU FFN of 2d) over 2x2
 patches -> LayerNorm -> 1x1 conv back -> 3x3 fusion conv over [input, output].
 Input sizes that are not a multiple of the patch size are resized (bilinear,
 align_corners=False) to the next multiple before the transformer and back after
-it, as the reference does. The unfold into sequences and the fold back use tensors of rank <= 5
-(``unfold_patches``), so that Core ML, whose tensors have rank <= 5, converts the block.
+it, as the reference does.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from backbones.mobilevit_common import (
-    Stage,
-    StagedBackbone,
-    fold_patches,
-    register_mobilevit_converters,
-    resize_to_multiple,
-    unfold_patches,
-)
+from backbones.mobilevit_common import Stage, StagedBackbone, register_mobilevit_converters, resize_to_multiple
 from backbones.registry import register_backbone
 from layers.conv import ConvNormAct
 from layers.transformer import TransformerBlock
@@ -95,10 +87,12 @@ class MobileViTBlock(nn.Module):
         y = self.to_tokens(self.local_conv(x).permute(0, 2, 3, 1))  # (B, H, W, d)
         y = resize_to_multiple(y.permute(0, 3, 1, 2), self.patch_size, align_corners=False).permute(0, 2, 3, 1)
         b, new_h, new_w, d = y.shape
-        # (B, H, W, d) -> (B * P, N, d): one sequence per pixel position inside the patches
-        tokens = self.norm(self.transformer(unfold_patches(y, self.patch_size).flatten(0, 1)))
+        (ph, pw), nh, nw = self.patch_size, new_h // self.patch_size[0], new_w // self.patch_size[1]
+        # unfold: (B, H, W, d) -> (B * P, N, d), one sequence per pixel position inside the patches
+        tokens = y.reshape(b, nh, ph, nw, pw, d).permute(0, 2, 4, 1, 3, 5).reshape(b * ph * pw, nh * nw, d)
+        tokens = self.norm(self.transformer(tokens))
         # fold back to a channels-last (B, d, H, W) map
-        y = fold_patches(tokens.unflatten(0, (b, -1)), self.patch_size, (new_h, new_w)).permute(0, 3, 1, 2)
+        y = tokens.view(b, ph, pw, nh, nw, d).permute(0, 3, 1, 4, 2, 5).reshape(b, new_h, new_w, d).permute(0, 3, 1, 2)
         if (new_h, new_w) != (h, w):
             y = nn.functional.interpolate(y, size=(h, w), mode="bilinear", align_corners=False)
         y = self.proj(y)

@@ -98,7 +98,8 @@ def coreml_layout(module: nn.Module) -> Iterator[nn.Module]:
     """Within the ``with``, every MobileViTv2 block in ``module`` runs its transformer on unfolded
     (B, P, N, D) sequences (:func:`unfold_patches`), so that no tensor has rank > 5: Core ML's limit,
     which the blocks' rank-6 patch grid exceeds. Values are equal to the grid path's (to float
-    rounding); the grid path is restored on exit. MobileViT v1 blocks always unfold with rank <= 5."""
+    rounding); the grid path is restored on exit. (MobileViT v1's rank-6 view is one coremltools'
+    own passes rewrite, so v1 converts as it is.)"""
     blocks = [m for m in module.modules() if hasattr(m, "coreml_layout")]
     previous = [block.coreml_layout for block in blocks]
     for block in blocks:

@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from tasks.cli.errors import refusals_as_messages
+    from layers.errors import refusals_as_messages
 
     with refusals_as_messages():  # a refusal: its message and exit 1 (SUITE_DEBUG=1 shows the traceback)
         main()

@@ -92,7 +92,9 @@ def test_exported_blocks_hold_no_tensor_above_rank5_in_the_coreml_layout():
     x = torch.randn(1, 16, 8, 8)
     v1, v2 = MobileViTBlock(16, 16, depth=1).eval(), MobileViTv2Block(16, 16, depth=1).eval()
     assert max_rank(torch.export.export(v2, (x,))) == 6  # the grid path: what Core ML refuses
-    assert max_rank(torch.export.export(v1, (x,))) <= 5
+    # v1 keeps its rank-6 view, one compiled graph per width under regional compile: coremltools'
+    # expand_high_rank_reshape_and_transpose pass rewrites that reshape/transpose pattern (v1 converts, slow test)
+    assert max_rank(torch.export.export(v1, (x,))) == 6
     with coreml_layout(v2):
         assert max_rank(torch.export.export(v2, (x,))) <= 5
 

@@ -1,7 +1,7 @@
 """Refusals a person can read (issue 50, items 5 and 6).
 
 On the command line a refusal is its message and exit code 1, the traceback behind ``SUITE_DEBUG=1``
-(:mod:`tasks.cli.errors`); the Python API raises. Each silent or unclear case a new user met is refused
+(:mod:`layers.errors`); the Python API raises. Each silent or unclear case a new user met is refused
 naming the file, key or value, or handled and counted, on the real task classes, datamodules and CLI:
 16-bit PIL images, ``predict`` arguments, what the translation model is given, images in sub-folders of a
 class folder, ``null`` batch sizes, a copy of the translation data elsewhere, a resume with another width,

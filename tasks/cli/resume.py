@@ -48,7 +48,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
-from tasks.cli.errors import Refusal
+from layers.errors import Refusal
 from tasks.engine.checkpoints import plain
 from tasks.engine.optim import schedule_arguments
 

@@ -25,7 +25,7 @@ Defaults shared by all tasks (each overridable from YAML or the command line):
 - a flag placed before a ``--config`` that sets the same key is refused (the recipe would win);
 - a refusal (a bad file, key or value, a run root that is a file, read-only or in use by another fit,
   absent weights) prints ``error: <message> [raised at <file:line>; SUITE_DEBUG=1 shows the traceback]``
-  and exits 1 (:mod:`tasks.cli.errors`); a bug keeps its traceback;
+  and exits 1 (:mod:`layers.errors`); a bug keeps its traceback;
 - `test` and `predict` replace an earlier run's outputs in their folder and mark it ``INCOMPLETE.txt``
   until the last file is written (:mod:`tasks.outputs.common`).
 
@@ -67,7 +67,7 @@ from configs.tasks import TaskDeclaration, task_declaration
 from layers.machine import AUTO, apply_cpu_plan, machine_cores, plan_cpu
 from tasks.cli.checkpoint_io import AtomicCheckpointIO
 from tasks.cli.determinism import check_deterministic
-from tasks.cli.errors import refusals_as_messages
+from layers.errors import refusals_as_messages
 from tasks.cli.last_checkpoint import LAST_NAME, LatestCheckpoint
 from tasks.cli.links import link_image_size, link_weights
 from tasks.cli.loggers import (SaveConfigToRun, default_logger, link_wandb_runs, logger_summary,
@@ -96,7 +96,7 @@ def main(task: str, args: Sequence[str] | CommandLine | None = None, *, run: boo
 
     Run as the process's command (``args`` is ``None``: ``python -m tasks.<task>``), a refusal (a bad file, key
     or value, a run root in use, absent weights) prints its message and exits 1, the traceback behind
-    ``SUITE_DEBUG=1`` (:mod:`tasks.cli.errors`); a caller that passes ``args`` gets the exception."""
+    ``SUITE_DEBUG=1`` (:mod:`layers.errors`); a caller that passes ``args`` gets the exception."""
     if args is not None or not exit_on_error:
         return _command(task, args, run=run, exit_on_error=exit_on_error)
     with refusals_as_messages():

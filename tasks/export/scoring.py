@@ -55,7 +55,7 @@ def datamodule_of(ckpt_path: str | Path, overrides: dict[str, Any]):
                          "export with --score false")
     module_name, class_name = arguments["_class_path"].rsplit(".", 1)
     data_class = getattr(importlib.import_module(module_name), class_name)
-    return data_class(**{k: v for k, v in arguments.items() if not k.startswith("_")}, **overrides)
+    return data_class(**{**{k: v for k, v in arguments.items() if not k.startswith("_")}, **overrides})
 
 
 def test_score(model: torch.nn.Module, datamodule, metric: str, limit_batches: int | None = None) -> float:

@@ -33,7 +33,7 @@ from typing import Iterator
 #: the environment variable that shows the traceback of a refusal (any value but ``""`` and ``"0"``)
 DEBUG_SWITCH = "SUITE_DEBUG"
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 class Refusal(Exception):
