@@ -147,6 +147,19 @@ def test_runs_differing_by_seed_are_one_row_with_numpy_mean_and_std(runs, tmp_pa
         image.verify()
 
 
+def test_a_run_whose_test_did_not_finish_is_left_out_and_named(runs, capsys):
+    """``INCOMPLETE.txt`` beside a ``metrics.json`` (a test killed while drawing pictures) is a partial run: the
+    report skips it, saying why, and its numbers join no row."""
+    parent, written = runs
+    interrupted = parent / "linformer-e15" / "seed0"
+    (interrupted / "predictions" / "INCOMPLETE.txt").write_text("test started\n")
+    rows = build_report([parent])
+    skipped = capsys.readouterr().err
+    assert "skipped 2 of 8 runs" in skipped and "seed0: its test did not finish" in skipped, skipped
+    row = next(r for r in rows if r.config == {"max_epochs": 15, "attention": "linformer"})
+    assert row.n == 2 and sorted(row.seeds) == [1, 2]
+
+
 def test_runs_of_two_tasks_get_a_table_each(tmp_path, classify_config):
     translate_config = resolved_config("translate")
     write_run(tmp_path / "classify", classify_config, seed=0, fit_overrides={},

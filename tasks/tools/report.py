@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from tasks.outputs.common import INCOMPLETE
+
 import numpy as np
 import yaml
 
@@ -149,6 +151,8 @@ def read_run(folder: str | Path) -> Run:
     """A run's task, flattened config (see :func:`read_config`) and ``test`` metrics."""
     folder = Path(folder)
     metrics_file = folder / "predictions" / "metrics.json"
+    if (folder / "predictions" / INCOMPLETE).is_file():  # a test that was interrupted or failed part-way
+        raise IncompleteRun(f"{folder}: its test did not finish (predictions/{INCOMPLETE}): run `test` again")
     if not metrics_file.is_file():
         raise IncompleteRun(f"{folder}: no predictions/metrics.json (run `test --ckpt_path ...` on it first)")
     try:
