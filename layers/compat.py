@@ -46,6 +46,10 @@ PRIVATE_NAMES = [
      "layers.compat.loss_scale_state: an fp16 step the guard skipped for an empty batch keeps its loss scale"),
     ("torch.amp", "GradScaler._growth_tracker",
      "layers.compat.loss_scale_state: ... and its count of steps towards growing it"),
+    ("torch._inductor", "aoti_compile_and_package",
+     "tasks.export.aoti: AOTInductor's packaging entry point, which torch documents under torch._inductor only"),
+    ("torch._inductor", "aoti_load_package",
+     "tasks.export.aoti: ... and the loader that runs a package back for the parity checks"),
     ("torch.nn.modules.batchnorm", "_BatchNorm",
      "layers.compat.is_batchnorm: which layers normalise with the batch's statistics while training"),
 ]

@@ -32,6 +32,8 @@ from pathlib import Path
 
 from lightning.pytorch import Callback
 
+from layers.compat import weight_averaging_model
+
 POINTS = ("step", "backward", "optimizer", "validation", "checkpoint", "rename", "ema", "allreduce", "resume",
           "test_output", "worker")
 
@@ -79,7 +81,7 @@ class FaultInjector(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._resumed = trainer.ckpt_path is not None
         for callback in trainer.callbacks:  # EMAWeightAveraging's average (the suite's ForeachEMA) exists by now
-            average = getattr(callback, "_average_model", None)
+            average = weight_averaging_model(callback)
             if average is not None and "update_parameters" not in vars(average):
                 self._before(average, "update_parameters", "ema")
 

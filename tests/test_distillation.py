@@ -22,6 +22,7 @@ from tasks.classify import ClassificationTask
 from tasks.engine.distillation import (Distillation, Teacher, hard_distillation_loss, load_teacher,
                                        soft_distillation_loss)
 from tests.conftest import run_task
+from layers.compat import weight_averaging_model
 
 CLASSES = [str(i) for i in range(10)]
 #: the classification demo at CPU test sizes, as command-line flags
@@ -281,7 +282,7 @@ def test_the_teacher_stays_frozen_and_out_of_the_trained_and_saved_state(teacher
     optimized = [p for group in fit.trainer.optimizers[0].param_groups for p in group["params"]]
     assert not teacher_ids & {id(p) for p in optimized} and len(optimized) == len(list(model.parameters()))
     # Lightning's EMA copies the task before the task's setup builds the teacher; a later copy shares it
-    average = next(cb for cb in fit.trainer.callbacks if type(cb).__name__ == "EMAWeightAveraging")._average_model
+    average = weight_averaging_model(next(cb for cb in fit.trainer.callbacks if type(cb).__name__ == "EMAWeightAveraging"))
     assert average.module.teacher is None and copy.deepcopy(model).teacher is teacher
     last = tmp_path / "student" / "checkpoints" / "last.ckpt"
     checkpoint = torch.load(last, weights_only=True)
