@@ -48,7 +48,9 @@ class ScoreCheck:
 
 def datamodule_of(ckpt_path: str | Path, overrides: dict[str, Any]):
     """The checkpoint's datamodule with the command line's ``--data.*`` options."""
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    from tasks.engine.checkpoints import read_checkpoint
+
+    checkpoint = read_checkpoint(ckpt_path)  # weights-only, as every checkpoint the suite reads
     arguments = dict(checkpoint.get("datamodule_hyper_parameters") or {})
     if "_class_path" not in arguments:
         raise ValueError(f"{ckpt_path} records no datamodule, so there is no test split to score the export on: "
