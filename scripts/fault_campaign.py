@@ -23,13 +23,16 @@ finished but are not).
 
 Usage (the numbers in benchmarks/results_faults.md)::
 
-    nice -n 10 python scripts/fault_campaign.py --work /tmp/faults --jobs 2 --per-kind 4 --random 6
+    python scripts/fault_campaign.py --work /tmp/faults --jobs 1 --per-kind 4 --random 6 --until 08:55
     python scripts/fault_campaign.py --work /tmp/faults --report benchmarks/results_faults.md
 
-Results go to ``<work>/results.jsonl`` one fault a line, as they come, so a campaign stopped by
-``--until HH:MM`` (UTC) or by hand still reports what it ran. Single-process runs are forked from a process
-that imported the suite once (``--no-fork``: a fresh interpreter each); 2-process runs start ``python -m
-tasks.<task>`` and Lightning's launcher starts the second rank.
+The runs use a snapshot of the last commit (``git archive HEAD`` into ``<work>/tree``, made on the first start;
+``--live``: the working tree as it is), so edits made while a campaign runs never reach it. Results go to
+``<work>/results.<worker>.jsonl`` one fault a line, as they come, so a campaign stopped by ``--until HH:MM``
+(UTC) or by hand still reports what it ran, and the same command goes on where it stopped; ``--only NAME ...``
+runs the named faults of the same draw. Each run is forked from a process that imported the suite once
+(``--no-fork``: a fresh interpreter each); on 2 processes Lightning's launcher starts the second rank as
+``python -m tasks.<task>``.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ import collections
 import datetime as dt
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import random
@@ -188,6 +192,8 @@ def _child(task: str, args: list[str], cwd: Path, env: dict, log: Path) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         sys.argv = [f"tasks/{task}.py", *args]
+        # Lightning's launcher starts the other ranks as ``python -m <__main__'s module>``: here, the task's
+        sys.modules["__main__"].__spec__ = importlib.util.find_spec(f"tasks.{task}")
         try:
             importlib.import_module("tasks.cli.suite").main(task)
             code = 0
@@ -367,7 +373,7 @@ def readable_checkpoint(path: Path) -> bool:
 # -- a cell: the reference and its faults ------------------------------------------------------------------------
 class Cell:
     def __init__(self, task: str, procs: int, work: Path, fork: bool, timeout: float, streamed: bool = False):
-        self.task, self.procs, self.fork, self.timeout = task, procs, fork and procs == 1, timeout
+        self.task, self.procs, self.fork, self.timeout = task, procs, fork, timeout
         self.streamed = streamed
         self.dir = work / Fault(task, procs, "", streamed=streamed).cell
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -585,7 +591,7 @@ def run_worker(args) -> None:
             if stop_at and dt.datetime.now(dt.timezone.utc) >= stop_at:
                 print(f"worker {args.worker}: --until reached after {number} faults", flush=True)
                 break
-            if fault.name in done:
+            if fault.name in done or (args.only and fault.name not in args.only):
                 continue
             outcome = cell.inject(fault, reference, test_metrics=args.test_every > 0 and fault.index % args.test_every == 0)
             results.write(json.dumps(asdict(outcome)) + "\n")
@@ -676,6 +682,24 @@ def report(results: list[dict], command: str) -> str:
     return "\n".join(lines)
 
 
+def snapshot(work: Path) -> Path:
+    """The committed tree (``git archive HEAD``) in ``<work>/tree``, made on the campaign's first start and kept:
+    edits to the working tree during a campaign of hours (other people's, half done) never reach its runs, and
+    every fault of one ``--work`` runs the same code. Its commit is in ``<work>/tree/COMMIT``."""
+    tree = work / "tree"
+    if not (tree / "COMMIT").is_file():
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        partial = work / "tree.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(partial)], input=archive, check=True)
+        (partial / "COMMIT").write_text(commit + "\n")
+        partial.rename(tree)
+    return tree
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True, help="where runs, logs and results.*.jsonl go")
@@ -694,6 +718,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take before it is a hang")
     parser.add_argument("--until", help="start no fault after this UTC time, HH:MM")
     parser.add_argument("--no-fork", dest="fork", action="store_false", help="a fresh interpreter per run")
+    parser.add_argument("--live", action="store_true", help="run the working tree as it is, not the snapshot of "
+                        "its last commit in <work>/tree")
+    parser.add_argument("--only", nargs="+", metavar="FAULT", help="run only these faults (their names in the results)")
     parser.add_argument("--report", type=Path, help="write the table of <work>'s results to this file and stop")
     args = parser.parse_args(argv)
     args.work = args.work.resolve()
@@ -706,8 +733,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker is not None:
         run_worker(args)
         return
-    (args.work / "command.txt").write_text("python scripts/fault_campaign.py " + " ".join(argv or sys.argv[1:]) + "\n")
-    workers = [subprocess.Popen([sys.executable, __file__, *(argv or sys.argv[1:]), "--worker", str(i)])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not args.live and REPO != args.work / "tree":  # on to the snapshot's own copy of this script
+        tree = snapshot(args.work)
+        os.execv(sys.executable, [sys.executable, str(tree / "scripts" / "fault_campaign.py"), *argv])
+    commit = (REPO / "COMMIT").read_text().strip() if (REPO / "COMMIT").is_file() else "the working tree"
+    with open(args.work / "command.txt", "a") as commands:
+        commands.write(f"python scripts/fault_campaign.py {' '.join(argv)}  # at {commit[:12]}\n")
+    workers = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", str(i)])
                for i in range(args.jobs)]
     codes = [w.wait() for w in workers]
     print(report(load_results(args.work), (args.work / "command.txt").read_text().strip()))

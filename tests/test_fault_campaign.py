@@ -63,7 +63,7 @@ def test_report_counts_every_outcome_by_task_and_kind():
 
 def campaign(tmp_path, *args: str) -> list[dict]:
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "fault_campaign.py"), "--work", str(tmp_path),
-                           "--seed", "1", *args], env=clean_env(), capture_output=True, text=True, timeout=3600)
+                           "--seed", "1", "--live", *args], env=clean_env(), capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return fault_campaign.load_results(tmp_path)
 
