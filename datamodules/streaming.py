@@ -37,7 +37,9 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
+import signal
 import sys
 import tempfile
 import warnings
@@ -191,9 +193,39 @@ def write_split(output: str, name: str, count: int, stored_sample: Callable[[int
     """Write samples ``stored_sample(0 .. count - 1)`` as the LitData dataset ``output/<folder>``, with
     LitData's progress bar. ``stored_sample`` runs in LitData's worker processes (forked where the
     platform allows: the samples' lists are shared, not pickled)."""
-    optimize(fn=stored_sample, inputs=list(range(count)), output_dir=join(output, split_folder(name)),
-             chunk_bytes=chunk_bytes, num_workers=max(1, num_workers), mode="overwrite", keep_data_ordered=True,
-             start_method="fork" if sys.platform == "linux" else None)
+    folder = join(output, split_folder(name))
+    try:
+        optimize(fn=stored_sample, inputs=list(range(count)), output_dir=folder, chunk_bytes=chunk_bytes,
+                 num_workers=max(1, num_workers), mode="overwrite", keep_data_ordered=True,
+                 start_method="fork" if sys.platform == "linux" else None)
+    except RuntimeError as error:
+        # LitData stops its workers but not the uploaders they started: orphaned, they keep the command's
+        # output open and a caller reading it waits for ever
+        _end_descendants()
+        # LitData wraps the worker's traceback: its first exception line is the root cause ("OSError: [Errno 28] ...")
+        causes = re.findall(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$", str(error), re.MULTILINE)
+        raise OSError(f"converting split {name} into {folder} failed: {causes[0].strip() if causes else error} "
+                      f"(no streaming.json written; free the space or fix the cause, then run the same "
+                      f"command again)") from error
+
+
+def _end_descendants() -> None:
+    """SIGKILL every live process descended from this one (Linux: read from /proc; elsewhere a no-op)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    pending, found = [os.getpid()], []
+    while pending:
+        for child in parents.get(pending.pop(), []):
+            found.append(child)
+            pending.append(child)
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def write_prepared(index: PreparedIndex, output: str, folder: str) -> dict:

@@ -108,9 +108,6 @@ def test_disk_full_during_test_outputs_fails_and_leaves_the_folder_marked_unfini
 
 @pytest.mark.slow
 @needs_tmpfs
-@pytest.mark.xfail(strict=True, reason="datamodules.optimize exits on ENOSPC but LitData's conversion worker stays "
-                   "alive, blocked on a pipe, holding the command's output open: a caller waiting for the output "
-                   "hangs (/work/notes/fault_campaign_requests.md, section 5)")
 def test_disk_full_during_optimize_fails_and_writes_no_manifest(tmp_path):
     """``streaming.json`` is what marks an optimized folder usable: a conversion that ran out of space must not
     leave one, and must end, every process of it."""
@@ -121,6 +118,7 @@ def test_disk_full_during_optimize_fails_and_writes_no_manifest(tmp_path):
     assert code not in (0, 99), output[-3000:]
     assert "No space left on device" in output or "no space left on device" in output
     assert "streaming.json" not in left["files"], left
+    assert f"converting split train into {output_dir / 'train'} failed" in output, output[-3000:]
 
 
 @pytest.mark.slow

@@ -70,6 +70,44 @@ def test_a_second_test_replaces_the_first_and_an_interrupted_one_looks_unfinishe
     assert not list(folder.rglob(".*.partial"))  # the temporary names are renamed away
 
 
+
+def test_a_table_cut_by_a_full_disk_is_not_left_as_a_shorter_table(demo_fit, tmp_path, monkeypatch):
+    """The disk fills while ``per_class.csv`` is half written: `test` fails with the OS error, and the folder
+    holds no per-class table at all (nor its temporary file), not the first rows of one."""
+    import csv
+    import errno
+
+    import tasks
+    from datamodules.imagefolder import ImageFolderDataModule
+
+    ckpt = demo_fit("classify") / "checkpoints" / "last.ckpt"
+    model = tasks.load(ckpt)
+    saved = torch.load(ckpt, weights_only=True)["datamodule_hyper_parameters"]
+    arguments = {**{k: v for k, v in saved.items() if not k.startswith("_")}, "num_workers": 0}
+    real_writer = csv.writer
+
+    class FillsAfterTwoRows:
+        def __init__(self, f, **kwargs):
+            self.file, self.inner, self.rows = f, real_writer(f, **kwargs), 0
+
+        def writerow(self, row):
+            self.rows += 1
+            if self.rows > 2 and self.file.name.endswith("per_class.csv.partial"):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.inner.writerow(row)
+
+        def writerows(self, rows):
+            for row in rows:
+                self.writerow(row)
+
+    monkeypatch.setattr("tasks.outputs.classification.csv.writer", FillsAfterTwoRows)
+    with pytest.raises(OSError, match="No space left"):
+        trainer(tmp_path).test(model, ImageFolderDataModule(**arguments))
+    folder = tmp_path / "predictions"
+    assert (folder / INCOMPLETE).is_file()
+    assert not (folder / "per_class.csv").exists() and not list(folder.rglob(".*.partial"))
+    assert (folder / "confusion_matrix.csv").is_file()  # written whole before it, by the same writer
+
 @pytest.mark.parametrize("task", ["detect", "segment"])
 def test_predict_into_a_folder_with_an_earlier_runs_files_replaces_them(task, tmp_path):
     """`predict` into a folder holding an earlier run's per-image outputs left them beside the new ones with

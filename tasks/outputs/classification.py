@@ -16,7 +16,8 @@ import torch
 from lightning.pytorch import Callback
 
 from tasks.outputs.common import (PredictWriter, TestRows, ValidationSamples, WorstSamples, draw_after_metrics,
-                                  predictions_dir, with_caption, write_confusion_matrix_png, write_worst_csv)
+                                  open_atomically, predictions_dir, with_caption, write_confusion_matrix_png,
+                                  write_worst_csv)
 from tasks.outputs.media import stretched
 
 
@@ -27,7 +28,7 @@ class PredictionsCsv(TestRows):
     def write(self, folder: Path, rows: list, pl_module) -> None:
         names = pl_module.class_names
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "predictions.csv", "w", newline="") as f:
+        with open_atomically(folder / "predictions.csv") as f:
             writer = csv.writer(f)
             writer.writerow(["image", "label", "prediction", "score"])
             for _, path, target, pred, score in sorted(rows):
@@ -47,12 +48,12 @@ class PerClassCsv(Callback):
         names = pl_module.class_names
         folder = predictions_dir(trainer)
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "confusion_matrix.csv", "w", newline="") as f:
+        with open_atomically(folder / "confusion_matrix.csv") as f:
             writer = csv.writer(f)
             writer.writerow(["true/predicted", *names])
             for name, row in zip(names, confusion):
                 writer.writerow([name, *row])
-        with open(folder / "per_class.csv", "w", newline="") as f:
+        with open_atomically(folder / "per_class.csv") as f:
             writer = csv.writer(f)
             writer.writerow(["class", "precision", "recall", "f1", "support"])
             for k, name in enumerate(names):
@@ -83,7 +84,7 @@ class ConfusedPairsCsv(Callback):
                         if true != pred and count > 0))[:self.max_pairs]
         folder = predictions_dir(trainer)
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "confused_pairs.csv", "w", newline="") as f:
+        with open_atomically(folder / "confused_pairs.csv") as f:
             writer = csv.writer(f)
             writer.writerow(["label", "prediction", "count", "share"])
             for negative_count, true, pred in pairs:
@@ -128,7 +129,7 @@ class ClassPredictions(PredictWriter):
     def write(self, trainer, folder: Path, rows: list, pl_module) -> None:
         names = pl_module.class_names
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "predictions.csv", "w", newline="") as f:
+        with open_atomically(folder / "predictions.csv") as f:
             writer = csv.writer(f)
             writer.writerow(["image", "prediction", "score", "top5"])
             for _, path, scores, labels in dict((r[0], r) for r in sorted(rows)).values():  # a padding sampler repeats

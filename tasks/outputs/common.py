@@ -27,6 +27,7 @@ and the tables are written to a temporary name and renamed, so none is ever half
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import heapq
 import io
@@ -101,14 +102,26 @@ def finish_outputs(trainer: Trainer, folder: Path) -> None:
         (folder / INCOMPLETE).unlink(missing_ok=True)
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """``text`` (UTF-8, ``\\n`` line ends) to ``path`` through a temporary file beside it and a rename: a reader
-    sees the old file, no file, or the whole new one, never a part."""
+@contextlib.contextmanager
+def open_atomically(path: Path, newline: str | None = ""):
+    """A text file (UTF-8) written through a temporary file beside ``path`` and renamed onto it when the block
+    ends without an error: a reader sees the old file, no file, or the whole new one, never a part.
+    ``newline=""`` is what :mod:`csv` writers need."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
-    with open(partial, "w", encoding="utf-8", newline="\n") as f:
-        f.write(text)
+    try:
+        with open(partial, "w", encoding="utf-8", newline=newline) as f:
+            yield f
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, path)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``text`` (``\n`` line ends) to ``path`` at once (:func:`open_atomically`)."""
+    with open_atomically(path, newline="\n") as f:
+        f.write(text)
 
 
 class TestRows(Callback):

@@ -23,8 +23,8 @@ import torch
 from lightning.pytorch import Callback
 
 from datamodules.images import output_names, read_rgb
-from tasks.outputs.common import (PredictWriter, TestRows, WorstSamples, draw_after_metrics, predictions_dir,
-                                  write_atomically, write_worst_csv)
+from tasks.outputs.common import (PredictWriter, TestRows, WorstSamples, draw_after_metrics, open_atomically,
+                                  predictions_dir, write_atomically, write_worst_csv)
 from tasks.outputs.media import Boxes, drawable_boxes, media_sink, stretched
 
 
@@ -70,7 +70,7 @@ class PerClassAP(Callback):
             return
         folder = predictions_dir(trainer)
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "per_class.csv", "w", newline="") as f:
+        with open_atomically(folder / "per_class.csv") as f:
             writer = csv.writer(f)
             writer.writerow(["category_id", "name", *columns])
             for label, (category_id, name) in enumerate(zip(pl_module.category_ids, pl_module.category_names)):

@@ -24,8 +24,8 @@ from PIL import Image
 from datamodules.images import read_rgb_array
 from datamodules.segmentation_layouts import voc_palette
 from tasks.metrics.miou import confusion_scores
-from tasks.outputs.common import (PredictWriter, ValidationSamples, WorstSamples, predict_dir, predictions_dir,
-                                  write_worst_csv)
+from tasks.outputs.common import (PredictWriter, ValidationSamples, WorstSamples, open_atomically, predict_dir,
+                                  predictions_dir, write_worst_csv)
 from tasks.outputs.media import Mask, media_sink, stretched
 
 
@@ -80,7 +80,7 @@ class PerClassIoUCsv(Callback):
         tp, support = confusion.diagonal().tolist(), confusion.sum(1).tolist()
         folder = predictions_dir(trainer)
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "per_class.csv", "w", newline="") as f:
+        with open_atomically(folder / "per_class.csv") as f:
             writer = csv.writer(f)
             writer.writerow(["class", "iou", "pixel_accuracy", "support_pixels"])
             for name, class_iou, hits, pixels in zip(pl_module.class_names, iou, tp, support):
