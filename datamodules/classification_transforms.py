@@ -14,9 +14,17 @@ the same order, so a seed gives the same augmentation. What changes is the cost 
   so it needs no rolled copy; CutMix copies only the pasted patch), instead of allocating two
   more batch-sized tensors per call.
 
+Training batches can leave the loader as uint8 (``on_device=True``): a quarter of float32's bytes
+through the workers' shared memory, pinning and the host-to-device copy. The loader then makes
+every random draw as before (crop, flip, RandAugment, the erasing box, MixUp's ``lam`` or CutMix's
+box, in the same order) but applies none of the float steps; :func:`finish_on_device` applies them
+on the device, in the pipeline's order: to float, normalise, erase, mix. The result equals the
+float pipeline's, to float rounding.
+
 Contract (as :mod:`datamodules.imagefolder`): ``train_transform(...)`` and ``eval_transform(...)``
-map a (3, H, W) uint8 tensor to a (3, S, S) float normalised one; ``MixCollate(...)`` maps dataset
-items to a batch dict with soft ``target`` (B, num_classes).
+map a (3, H, W) uint8 tensor to a (3, S, S) float normalised one (``on_device``: the uint8 crop, with
+the erasing box under ``"erase"`` when erasing is on); ``MixCollate(...)`` maps dataset items to a
+batch dict with soft ``target`` (B, num_classes) (``on_device``: the mix to apply under ``"mix"``).
 """
 from __future__ import annotations
 
@@ -157,8 +165,10 @@ def normalize(mean, std) -> list[v2.Transform]:
 
 
 def train_transform(image_size: int, scale: tuple[float, float], hflip: float, rand_augment: bool,
-                    rand_augment_magnitude: int, random_erasing: float, mean, std, interpolation: str) -> v2.Compose:
-    """(3, H, W) uint8 -> (3, image_size, image_size) float, normalised."""
+                    rand_augment_magnitude: int, random_erasing: float, mean, std, interpolation: str,
+                    on_device: bool = False) -> v2.Compose:
+    """(3, H, W) uint8 -> (3, image_size, image_size) float, normalised; with ``on_device``, the uint8
+    crop (a dict ``{"image", "erase"}`` when ``random_erasing`` > 0), finished by :func:`finish_on_device`."""
     interp = v2.InterpolationMode(interpolation)
     steps = [v2.RandomResizedCrop(image_size, scale=scale, interpolation=interp, antialias=True)]
     if hflip > 0:
@@ -167,10 +177,56 @@ def train_transform(image_size: int, scale: tuple[float, float], hflip: float, r
         # its rotations and shears run on tensors, which torchvision warps only with nearest or
         # bilinear sampling: bicubic (the recipes' crop interpolation) would fail on those ops
         steps.append(FastRandAugment(magnitude=rand_augment_magnitude, interpolation=v2.InterpolationMode.BILINEAR))
+    if on_device:
+        return v2.Compose(steps + ([DeferredErasing(p=random_erasing)] if random_erasing > 0 else []))
     steps += [v2.ToDtype(torch.float32, scale=True), *normalize(mean, std)]
     if random_erasing > 0:
         steps.append(v2.RandomErasing(p=random_erasing, value=0))
     return v2.Compose(steps)
+
+
+class DeferredErasing(v2.RandomErasing):
+    """``v2.RandomErasing(p, value=0)``'s random draws, without the erasing: (3, H, W) -> ``{"image": the
+    same image, "erase": (4,) int64 top, left, height, width}`` (all 0: nothing erased), for
+    :func:`finish_on_device` to erase after normalising, as the float pipeline erases."""
+
+    def __init__(self, p: float):
+        super().__init__(p=p, value=0)
+
+    def forward(self, image: torch.Tensor) -> dict:
+        box = torch.zeros(4, dtype=torch.int64)
+        if torch.rand(1) < self.p:  # the draw order of torchvision's _RandomApplyTransform.forward
+            params = self.make_params([image])
+            if params["v"] is not None:  # no box fitted in ten tries: torchvision erases nothing
+                box = torch.tensor([params["i"], params["j"], params["h"], params["w"]])
+        return {"image": image, "erase": box}
+
+
+def finish_on_device(batch: dict, mean: torch.Tensor, std: torch.Tensor) -> dict:
+    """The float half of the training pipeline, on a batch where it lies (the accelerator): ``batch["image"]``
+    (B, 3, S, S) uint8 becomes float32 scaled to [0, 1] and normalised by ``mean`` / ``std`` ((3, 1, 1),
+    on the batch's device; ``None`` for the unnormalised recipes), then the erasing boxes (``"erase"``, (B, 4))
+    are zeroed and the batch's MixUp / CutMix (``"mix"``) applied. Reads nothing back from the device."""
+    images = batch["image"].to(torch.float32).mul_(1.0 / 255)  # v2.ToDtype(float32, scale=True)'s arithmetic
+    if mean is not None:
+        images.sub_(mean).div_(std)  # v2.Normalize's
+    erase = batch.pop("erase", None)
+    if erase is not None:
+        top, left, height, width = (erase[:, k].view(-1, 1, 1, 1) for k in range(4))
+        rows = torch.arange(images.shape[-2], device=images.device).view(1, 1, -1, 1)
+        cols = torch.arange(images.shape[-1], device=images.device).view(1, 1, 1, -1)
+        inside = (rows >= top) & (rows < top + height) & (cols >= left) & (cols < left + width)
+        images.masked_fill_(inside, 0.0)
+    mix = batch.pop("mix", None)
+    if mix is not None and mix[0] == "mixup":
+        lam = mix[1]
+        rolled = images.roll(1, 0)
+        images.mul_(lam).add_(rolled, alpha=1.0 - lam)
+    elif mix is not None:  # ("cutmix", x1, y1, x2, y2): image i takes image i-1's patch
+        x1, y1, x2, y2 = mix[1:]
+        images[..., y1:y2, x1:x2] = images[..., y1:y2, x1:x2].roll(1, 0)
+    batch["image"] = images
+    return batch
 
 
 def eval_transform(image_size: int, resize_size: int, mean, std, interpolation: str) -> v2.Compose:
@@ -209,20 +265,57 @@ class InPlaceCutMix(v2.CutMix):
         return inpt
 
 
+class DeferredMix:
+    """Records the MixUp / CutMix it is asked to apply to a batch's images instead of applying it (the
+    labels are mixed as usual): ``("mixup", lam)`` or ``("cutmix", x1, y1, x2, y2)`` in :attr:`recorded`."""
+
+    def __init__(self):
+        self.recorded = None
+
+
+class RecordsImageMix:
+    """Mixed into ``v2.MixUp`` / ``v2.CutMix``: the labels are mixed, the images left, the draw recorded in
+    ``record`` (a :class:`DeferredMix`)."""
+
+    record: DeferredMix
+
+    def transform(self, inpt, params):
+        if inpt is params["labels"]:
+            return super().transform(inpt, params)
+        self.record.recorded = ("cutmix", *(int(v) for v in params["box"])) if "box" in params else \
+            ("mixup", params["lam"])
+        return inpt
+
+
+class RecordedMixUp(RecordsImageMix, v2.MixUp):
+    pass
+
+
+class RecordedCutMix(RecordsImageMix, v2.CutMix):
+    pass
+
+
 class MixCollate:
     """Collate (dropping and counting skipped images), then apply MixUp or CutMix (one chosen
-    per batch) to images and targets. Targets become soft ``(B, num_classes)`` probabilities."""
+    per batch) to images and targets. Targets become soft ``(B, num_classes)`` probabilities.
+    With ``on_device`` the images are left as they are and ``batch["mix"]`` says what
+    :func:`finish_on_device` applies (host values: reading them costs the device nothing)."""
 
-    def __init__(self, num_classes: int, mixup_alpha: float, cutmix_alpha: float):
+    def __init__(self, num_classes: int, mixup_alpha: float, cutmix_alpha: float, on_device: bool = False):
+        self.deferred = DeferredMix() if on_device else None
         choices = []
         if mixup_alpha > 0:
-            choices.append(InPlaceMixUp(alpha=mixup_alpha, num_classes=num_classes))
+            choices.append((RecordedMixUp if on_device else InPlaceMixUp)(alpha=mixup_alpha, num_classes=num_classes))
         if cutmix_alpha > 0:
-            choices.append(InPlaceCutMix(alpha=cutmix_alpha, num_classes=num_classes))
+            choices.append((RecordedCutMix if on_device else InPlaceCutMix)(alpha=cutmix_alpha, num_classes=num_classes))
+        for choice in choices:
+            choice.record = self.deferred
         self.mix = v2.RandomChoice(choices)
 
     def __call__(self, batch: list) -> dict:
         out = collate_skipping(batch)
         if "image" in out:  # an all-skipped batch is only {"skipped": n}
             out["image"], out["target"] = self.mix(out["image"], out["target"])
+            if self.deferred is not None:
+                out["mix"] = self.deferred.recorded
         return out

@@ -9,6 +9,10 @@ datamodule, 16-bit PNGs scaled, errors naming the file). Batches are dicts:
 - train / val / test: ``{"image": (B, 3, S, S) float, "target": (B,) int64 (or (B, K) soft
   labels under MixUp/CutMix), "index": (B,) int64, "path": list[str] (relative to ``root``,
   posix), "skipped": int}``;
+- training batches with ``normalize_on_device`` (the default) leave the loader with ``"image"``
+  (B, 3, S, S) uint8, plus ``"erase"`` (B, 4) and ``"mix"`` when erasing and MixUp/CutMix are on;
+  the datamodule's ``on_after_batch_transfer`` turns them into the float batch above on the device
+  (:func:`datamodules.classification_transforms.finish_on_device`), so a training step sees the same;
 - predict: ``{"image", "index", "path": list[str] (the file as given or listed), "skipped"}``.
 """
 from __future__ import annotations
@@ -37,7 +41,7 @@ from datamodules.images import (
     predict_images,
     read_rgb,
 )
-from datamodules.classification_transforms import MixCollate, train_transform
+from datamodules.classification_transforms import MixCollate, finish_on_device, train_transform
 from datamodules.input_spec import InputSpec, classification_spec, normalization
 from datamodules.loaders import (SplitLoaders, StreamedSource, check_positive_counts, check_repeated_augmentation,
                                  make_loader)
@@ -198,8 +202,11 @@ def index_split(split_dir: Path, classes: Sequence[str] | None = None,
 
 def labelled_item(image: torch.Tensor, sample: dict, transform) -> dict:
     """(3, H, W) uint8 image + its ``sample`` (``index``, ``target``, ``path``) -> the dataset item.
-    Shared by the folder and the streamed datasets, so both give the same items."""
-    return {"image": transform(image), "target": sample["target"], "index": sample["index"], "path": sample["path"]}
+    Shared by the folder and the streamed datasets, so both give the same items. A transform that
+    returns a dict (the image and what the device applies later) gives the item its keys."""
+    out = transform(image)
+    fields = out if isinstance(out, dict) else {"image": out}
+    return {**fields, "target": sample["target"], "index": sample["index"], "path": sample["path"]}
 
 
 def streamed_labelled_item(sample: dict, where: str, transform, on_bad_image: OnBadImage) -> dict | None:
@@ -332,6 +339,10 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         progressive_resizing: training crops growing from a fraction of ``image_size`` to all of it over training
             (Composer's schedule, :class:`datamodules.resolution.ProgressiveResizing`); evaluation stays at
             ``image_size``.
+        normalize_on_device: training batches leave the workers as uint8 (a quarter of float32's bytes through
+            shared memory, pinning and the copy to the accelerator) and are turned to float, normalised, erased and
+            mixed on the device after the transfer, with the same random draws and values (to float rounding).
+            ``False``: all of it in the workers, as evaluation batches are.
 
     Batches: see the module docstring.
     """
@@ -351,7 +362,7 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
                  on_bad_image: Literal["fail", "skip"] = "fail", predict_path: str | None = None,
                  streaming_root: str | None = None, prepared_dir: str | None = None,
                  repeated_augmentation: int = 1, variable_resolution: VariableResolution | None = None,
-                 progressive_resizing: ProgressiveResizing | None = None):
+                 progressive_resizing: ProgressiveResizing | None = None, normalize_on_device: bool = True):
         super().__init__()
         if on_bad_image not in ("fail", "skip"):
             raise ValueError(f"on_bad_image must be 'fail' or 'skip', got {on_bad_image!r}")
@@ -403,7 +414,7 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
     def _train_transform(self, size: int | tuple[int, int]) -> v2.Compose:
         h = self.hparams
         return train_transform(size, tuple(h.scale), h.hflip, h.rand_augment, h.rand_augment_magnitude,
-                               h.random_erasing, h.mean, h.std, h.interpolation)
+                               h.random_erasing, h.mean, h.std, h.interpolation, on_device=h.normalize_on_device)
 
     def _dataset(self, split_dir: str, train: bool) -> ImageFolderDataset:
         h = self.hparams
@@ -461,11 +472,26 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
         if stage == "predict":
             self.predict_set = self._predict_dataset()
 
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        """A training batch that left the loader as uint8 (``normalize_on_device``) is finished where it now
+        lies: float, normalised, erased, mixed (:func:`finish_on_device`)."""
+        if isinstance(batch, dict) and batch.get("image") is not None and batch["image"].dtype == torch.uint8:
+            device = batch["image"].device
+            if getattr(self, "_device_stats", (None,))[0] != device:  # made once per device, not per step
+                h = self.hparams
+                trivial = all(m == 0 for m in h.mean) and all(s == 1 for s in h.std)
+                stats = (None, None) if trivial else (
+                    torch.as_tensor(h.mean, dtype=torch.float32, device=device).view(-1, 1, 1),
+                    torch.as_tensor(h.std, dtype=torch.float32, device=device).view(-1, 1, 1))
+                self._device_stats = (device, *stats)
+            batch = finish_on_device(batch, *self._device_stats[1:])
+        return batch
+
     def _loader(self, dataset, train: bool):
         h = self.hparams
         collate = collate_skipping
         if train and (h.mixup_alpha > 0 or h.cutmix_alpha > 0):
-            collate = MixCollate(self.num_classes, h.mixup_alpha, h.cutmix_alpha)
+            collate = MixCollate(self.num_classes, h.mixup_alpha, h.cutmix_alpha, on_device=h.normalize_on_device)
         batch_size = h.batch_size if train else (h.eval_batch_size or h.batch_size)
         plan = resolution_plan(h, self.trainer) if train else None
         if plan is not None:
