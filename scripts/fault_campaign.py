@@ -420,9 +420,13 @@ class Cell:
         saved.write_text(json.dumps(result, indent=1))
         return result
 
-    def faults(self, reference: dict, kinds: list[str], per_kind: int, random_count: int, seed: int) -> list[Fault]:
+    def faults(self, reference: dict, kinds: list[str], per_kind: int, random_count: int, seed: int,
+               points: list[str] | None = None) -> list[Fault]:
         """``per_kind`` points of each kind drawn from the reference's counts (on a random rank), and
-        ``random_count`` kills at a random moment of the reference's duration."""
+        ``random_count`` kills at a random moment of the reference's duration; or the ``points`` given,
+        ``<kind>:<n>[:<rank>]`` (``n``: the seconds for ``time``, the step of the first kill for ``resume``)."""
+        if points:
+            return [self.point(text, i) for i, text in enumerate(points)]
         rng = random.Random(f"{seed}-{self.task}-{self.procs}")
         drawn: list[Fault] = []
         steps = reference["counts"]["0"]["step"]
@@ -448,6 +452,15 @@ class Cell:
         for i, fault in enumerate(drawn):
             fault.index = i
         return drawn
+
+    def point(self, text: str, index: int) -> Fault:
+        kind, n, *rank = text.split(":")
+        if kind not in KINDS:
+            raise ValueError(f"--points {text}: the kind must be one of {', '.join(KINDS)}")
+        n, rank = (float(n) if kind == "time" else int(n)), int(rank[0]) if rank else 0
+        if kind == "resume":
+            return Fault(self.task, self.procs, kind, 0, rank, first_step=n, index=index, streamed=self.streamed)
+        return Fault(self.task, self.procs, kind, n, rank, index=index, streamed=self.streamed)
 
     # -- one fault ------------------------------------------------------------------------------------------------
     def inject(self, fault: Fault, reference: dict, test_metrics: bool) -> Outcome:
@@ -581,7 +594,7 @@ def run_worker(args) -> None:
             except RuntimeError as err:
                 print(err, file=sys.stderr, flush=True)
                 continue
-            faults = cell.faults(reference, args.kinds, args.per_kind, args.random, args.seed)
+            faults = cell.faults(reference, args.kinds, args.per_kind, args.random, args.seed, args.points)
             plans.append((cell, reference, faults))
     # round-robin over the cells, so a stopped campaign has covered every cell alike
     order = [(cell, reference, fault) for k in range(max((len(f) for _, _, f in plans), default=0))
@@ -721,6 +734,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--live", action="store_true", help="run the working tree as it is, not the snapshot of "
                         "its last commit in <work>/tree")
     parser.add_argument("--only", nargs="+", metavar="FAULT", help="run only these faults (their names in the results)")
+    parser.add_argument("--points", nargs="+", metavar="KIND:N[:RANK]", help="these faults in every cell instead of "
+                        "a draw (a fault found by one campaign, run again on changed code)")
     parser.add_argument("--report", type=Path, help="write the table of <work>'s results to this file and stop")
     args = parser.parse_args(argv)
     args.work = args.work.resolve()
