@@ -95,3 +95,16 @@ def test_two_process_and_streamed_faults_resume_bit_identical(tmp_path):
     assert len(results) >= 6
     assert {r["outcome"] for r in results} <= {"identical", "refused"}, json.dumps(results, indent=1)[-4000:]
     assert all(r["peer_exit_s"] is None or r["peer_exit_s"] <= fault_campaign.PEER_BOUND_S for r in results)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="needs /work/notes/campaign2_requests.md request 2 (tasks/cli/suite.py)")
+def test_a_kill_between_a_best_checkpoint_and_its_last_ckpt_resumes_to_the_same_best_file(tmp_path):
+    """Classification, 1 process, killed inside the 5th checkpoint write: step 4's last.ckpt, after step 4's
+    best-001-4.ckpt was complete. The resume trains step 4 again and must keep that one best file, as the
+    uninterrupted run does (the campaign found best-001-4-v1.ckpt beside it, named as the best)."""
+    results = campaign(tmp_path, "--tasks", "classify", "--procs", "1", "--streamed", "--points", "checkpoint:4",
+                       "--test-every", "0")
+    assert [r["outcome"] for r in results] == ["identical"], json.dumps(results, indent=1)[-4000:]
+    checkpoints = tmp_path / "classify-p1" / "faults" / "classify-p1-checkpoint-4-r0-0" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("best-*")) == ["best-001-4.ckpt"]
