@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Union
 
 #: a datamodule's ``num_workers`` argument: a count, or "auto" for :func:`plan_cpu`'s choice
@@ -121,13 +122,39 @@ def positive_int(text: str, name: str) -> int:
     return value
 
 
-def machine_cores() -> tuple[int, int]:
-    """(cores this process may run on, cores of the node)."""
+def machine_cores(cgroup_root: str = "/sys/fs/cgroup") -> tuple[int, int]:
+    """(cores this process may run on, cores of the node): its affinity, capped by the container's CPU
+    quota (:func:`cgroup_cpu_limit`; a Kubernetes or Docker ``--cpus`` limit leaves the affinity at every core)."""
     node = os.cpu_count() or 1
     try:
-        return len(os.sched_getaffinity(0)), node
+        affinity = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS and Windows have no affinity call
-        return node, node
+        affinity = node
+    quota = cgroup_cpu_limit(cgroup_root)
+    return (affinity if quota is None else max(1, min(affinity, quota))), node
+
+
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> int | None:
+    """The cores a CPU quota allows this process's cgroup, rounded up (``cpu.max`` of cgroup v2, or v1's
+    ``cpu/cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); ``None`` without a quota or where there is no cgroup."""
+    def read(path: str) -> list[str] | None:
+        try:
+            return Path(root, path).read_text().split()
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    v2 = read("cpu.max")  # "max 100000" or "<quota> <period>"
+    quota_period = v2 if v2 and len(v2) == 2 else None
+    if quota_period is None:
+        quota, period = read("cpu/cpu.cfs_quota_us"), read("cpu/cpu.cfs_period_us")
+        quota_period = [quota[0], period[0]] if quota and period else None
+    if quota_period is None or quota_period[0] in ("max", "-1"):
+        return None
+    try:
+        quota, period = int(quota_period[0]), int(quota_period[1])
+    except ValueError:
+        return None
+    return -(-quota // period) if quota > 0 and period > 0 else None
 
 
 #: the plan :func:`apply_cpu_plan` put in force in this process

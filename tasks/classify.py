@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
+from torchmetrics.classification import MulticlassAccuracy
 
 from backbones import Backbone
 from backbones.weights import classifier_state, load_pretrained
@@ -19,6 +19,7 @@ from tasks.outputs.common import displayable
 from tasks.engine.base import TaskModule
 from tasks.engine.distillation import Distillation, LearnsFromTeacher, distillation_loss, mixed_loss
 from tasks.engine.predictor import Predictor
+from tasks.metrics.miou import ConfusionMatrix
 from tasks.outputs import classification as outputs
 
 
@@ -76,7 +77,7 @@ class ClassificationTask(LearnsFromTeacher, Predictor, TaskModule):
         self.test_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.test_top5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
         # rows: true class, columns: predicted class; summed over ranks like the accuracies
-        self.test_confusion = MulticlassConfusionMatrix(num_classes)
+        self.test_confusion = ConfusionMatrix(num_classes)
         #: the test split's confusion matrix as lists (rows: true class), for the output callbacks
         self.test_confusion_counts: list[list[int]] | None = None
 

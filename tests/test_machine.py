@@ -168,3 +168,26 @@ def test_threads_follow_load_only_where_it_may(monkeypatch):
     assert not started(plan(16))  # loader workers' CPU time would look like another process's
     assert not started(plan(16, accelerator="gpu", workers=0))
     assert not started(plan(2, OMP_NUM_THREADS="2"))  # the user's count stays
+
+
+def test_a_container_cpu_quota_caps_the_cores_the_plan_counts(tmp_path):
+    """Docker's --cpus / a Kubernetes limit leave the affinity at every core of the node and set a CFS quota:
+    cgroup v2's cpu.max "250000 100000" is 2.5 cores -> 3; v1's quota/period the same; no quota -> affinity."""
+    from layers.machine import cgroup_cpu_limit, machine_cores
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("250000 100000\n")
+    assert cgroup_cpu_limit(str(v2)) == 3
+    assert machine_cores(str(v2))[0] == min(3, len(os.sched_getaffinity(0)))
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(str(v2)) is None
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("100000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_limit(str(tmp_path / "v1")) == 1 and machine_cores(str(tmp_path / "v1"))[0] == 1
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu_limit(str(tmp_path / "v1")) is None
+    assert cgroup_cpu_limit(str(tmp_path / "nowhere")) is None
+    assert machine_cores(str(tmp_path / "nowhere"))[0] == len(os.sched_getaffinity(0))

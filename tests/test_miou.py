@@ -211,3 +211,29 @@ def test_two_processes_count_every_image_once():
         assert results[rank]["confmat"] == ref["confmat"].tolist()
         assert results[rank]["miou"] == pytest.approx(ref["miou"], abs=1e-12)
         assert results[rank]["pixel_acc"] == pytest.approx(ref["pixel_acc"], abs=1e-12)
+
+
+def test_the_classification_confusion_matrix_is_numpys_and_holds_only_the_matrix_in_deterministic_mode():
+    """ImageNet's 1,000 classes, a batch of 128, under torch.use_deterministic_algorithms: the counts equal
+    numpy's, and the update allocates about the matrix (8 MB), where torchmetrics' deterministic path
+    builds a 128 x 1,000,000 comparison mesh."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tasks.metrics.miou import ConfusionMatrix
+
+    generator = torch.Generator().manual_seed(0)
+    preds = torch.randint(0, 1000, (128,), generator=generator)
+    target = torch.randint(0, 1000, (128,), generator=generator)
+    expected = np.zeros((1000, 1000), dtype=np.int64)
+    np.add.at(expected, (target.numpy(), preds.numpy()), 1)
+    metric = ConfusionMatrix(1000)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            metric.update(preds, target)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    allocated = sum(event.self_cpu_memory_usage for event in prof.key_averages() if event.self_cpu_memory_usage > 0)
+    assert allocated < 3 * 1000 * 1000 * 8, allocated  # the (K * K + 1) counter and its view, not a mesh
+    np.testing.assert_array_equal(metric.compute().numpy(), expected)

@@ -75,6 +75,30 @@ def image_miou(pred: torch.Tensor, target: torch.Tensor, num_classes: int, ignor
     return float(confusion_scores(confusion_counts(pred, target, num_classes, ignore_index))["miou"])
 
 
+class ConfusionMatrix(Metric):
+    """A (K, K) int64 confusion matrix (rows: truth) summed over updates and ranks, by
+    :func:`confusion_counts` (no label ignored): its memory is the matrix, also under
+    ``torch.use_deterministic_algorithms``, where torchmetrics' ``MulticlassConfusionMatrix`` counts through a
+    (N, K * K) comparison mesh (128 images x 1,000,000 cells for ImageNet). ``update(preds, target)``: (N,)
+    labels; ``compute()``: the matrix."""
+
+    is_differentiable = False
+    full_state_update = False
+
+    confmat: torch.Tensor
+
+    def __init__(self, num_classes: int, **kwargs):
+        super().__init__(**kwargs)
+        self.num_classes = num_classes
+        self.add_state("confmat", torch.zeros(num_classes, num_classes, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.confmat += confusion_counts(preds, target, self.num_classes, ignore_index=-1)  # -1: no label is
+
+    def compute(self) -> torch.Tensor:
+        return self.confmat
+
+
 class MeanIoU(Metric):
     """Dataset-wide mIoU from one confusion matrix summed over updates and ranks (see the module).
 
