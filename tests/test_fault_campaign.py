@@ -98,7 +98,6 @@ def test_two_process_and_streamed_faults_resume_bit_identical(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs /work/notes/campaign2_requests.md request 2 (tasks/cli/suite.py)")
 def test_a_kill_between_a_best_checkpoint_and_its_last_ckpt_resumes_to_the_same_best_file(tmp_path):
     """Classification, 1 process, killed inside the 5th checkpoint write: step 4's last.ckpt, after step 4's
     best-001-4.ckpt was complete. The resume trains step 4 again and must keep that one best file, as the

@@ -20,7 +20,6 @@ TWO_EPOCHS = ["--trainer.max_epochs", "2", "--trainer.limit_train_batches", "2",
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs /work/notes/campaign2_requests.md request 1 (tasks/cli/last_checkpoint.py)")
 def test_fit_with_ckpt_path_last_of_a_finished_run_leaves_its_last_checkpoint(tmp_path):
     fit = ["fit", *TINY["classify"], *SHAPE_OVERRIDE["classify"], *QUIET, *TWO_EPOCHS]
     run_task("classify", *fit, cwd=tmp_path)

@@ -186,6 +186,10 @@ def test_kill_during_a_checkpoint_write_leaves_the_old_file(tmp_path):
     assert torch.equal(torch.load(path, weights_only=True)["old"], torch.ones(3))
     # the killed writer's file has its own name: it never replaces a checkpoint
     assert [p.name for p in tmp_path.iterdir() if p.name != "last.ckpt"] == [f"last.ckpt.tmp-{pid}"]
+    # the next write (the resumed run's) removes the dead writer's partial file, and only that file
+    (tmp_path / "best.ckpt.tmp-1").write_bytes(b"another checkpoint's")
+    checkpoint_io.save_atomically({"new": torch.zeros(3)}, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.ckpt.tmp-1", "last.ckpt"]
 
 
 # -- batches the guard must tell apart ----------------------------------------------------------------

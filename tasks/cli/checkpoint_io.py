@@ -19,6 +19,7 @@ all-or-nothing on object stores; the move stays within that store).
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import shutil
 from pathlib import Path
@@ -143,6 +144,10 @@ def save_atomically(checkpoint: dict, path: str | Path) -> None:
             raise disk_full_error(path, needed) from err
         raise
     _fsync_folder(path.parent)
+    # a writer killed mid-write (SIGKILL) left its partial file: one fit per run root and only rank 0 writes, so
+    # another <path>.tmp-* is a dead process's
+    for stale in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):
+        stale.unlink(missing_ok=True)
 
 
 def save_remote(checkpoint: dict, url: str) -> None:

@@ -25,7 +25,8 @@ class LatestCheckpoint(Checkpoint):
     validation or the epoch's end follows is written after them instead), at every
     validation end and at every training epoch end, whether or not validation ran: a run killed
     before its first validation (a whole epoch, or three in a recipe validating every third)
-    can still be resumed exactly. A step is written once. The best checkpoints are a plain
+    can still be resumed exactly. A step is written once (the last epoch's end again: the finished
+    state). The best checkpoints are a plain
     ``ModelCheckpoint``'s (:mod:`tasks.cli.suite`); Lightning runs checkpoint callbacks after all
     others, so the file holds every callback's state of the step.
 
@@ -124,7 +125,20 @@ class LatestCheckpoint(Checkpoint):
         self._before_validation = None
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if fit_ends_with_this_epoch(trainer):
+            # the finished state, written again if its last validation wrote this step: that file's loops put the
+            # run before its last epoch's end, so `fit --ckpt_path last` of a finished run (or a resume after a
+            # kill past that write) ran the epoch's end again and rewrote last.ckpt with its counters advanced
+            self._saved_step = -1
         self.save(trainer)
+
+
+def fit_ends_with_this_epoch(trainer: Trainer) -> bool:
+    """In ``on_train_epoch_end``: whether the fit stops after this epoch (``max_epochs`` reached; Lightning has
+    counted the epoch as processed by then, and its fit loop stops on that count)."""
+    max_epochs = trainer.max_epochs
+    return max_epochs is not None and max_epochs >= 0 and \
+        trainer.fit_loop.epoch_progress.current.processed >= max_epochs
 
 
 def describe_checkpoint(path: Path) -> str:

@@ -206,6 +206,10 @@ class SuiteCLI(LightningCLI):
             "checkpoint.save_last": True,
             "checkpoint.filename": "best-{epoch:03d}-{step}",
             "checkpoint.auto_insert_metric_name": False,
+            # the file name holds the step, so a name already there is this run's own checkpoint of that step,
+            # written by a process killed before its last.ckpt: the resumed run replaces it (with Lightning's
+            # version counter it kept both, best-...-4.ckpt and best-...-4-v1.ckpt, and pointed at the second)
+            "checkpoint.enable_version_counter": False,
         })
         for data_attr, model_arg in self.links.items():
             parser.link_arguments(f"data.{data_attr}", f"model.{model_arg}", apply_on="instantiate")
