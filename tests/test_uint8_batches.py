@@ -109,3 +109,22 @@ def tiny_backbone_state() -> dict:
     from tests.test_api import tiny_backbone
 
     return {f"backbone.{k}": v for k, v in tiny_backbone().state_dict().items()}
+
+
+def test_finishing_on_the_device_reads_nothing_back_from_it():
+    """The hook runs on the device every training step: none of its ops may make the host wait
+    (tests/test_host_sync.py's list: item/tolist, data-dependent sizes, boolean-mask indexing, Python values
+    copied to the device)."""
+    from tests.test_host_sync import SyncLog
+
+    torch.manual_seed(1)
+    datamodule = ImageFolderDataModule(**AUGMENTED)
+    datamodule.setup("fit")
+    loader = iter(datamodule.train_dataloader())
+    shipped = [next(loader) for _ in range(4)]
+    datamodule.on_after_batch_transfer(dict(shipped[0]), 0)  # the first batch puts mean and std on the device
+    assert {batch["mix"][0] for batch in shipped[1:]} <= {"mixup", "cutmix"}
+    with SyncLog() as log:
+        for batch in shipped[1:]:
+            datamodule.on_after_batch_transfer(batch, 0)
+    assert log.found == []
