@@ -1,8 +1,15 @@
 """Shared test set-up: no network (wandb offline, albumentations quiet), one demo-data
-cache per session, and a helper that runs a task's CLI in a clean subprocess."""
+cache per session, and a helper that runs a task's CLI in a clean subprocess.
+
+Under pytest-xdist (README: ``python -m pytest -n auto``) what a session builds once (the demo data, the
+demo fits) is built once for all workers: the first worker that needs it builds it under a file lock
+in the run's shared temporary folder, the others wait and read it."""
 from __future__ import annotations
 
+import fcntl
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +25,32 @@ os.environ.setdefault("SUITE_OFFLINE", "1")  # registered weights are never down
 REPO = Path(__file__).resolve().parents[1]
 
 
+def session_folder(tmp_path_factory) -> Path:
+    """The test run's temporary folder, the same for every pytest-xdist worker."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def built_once(tmp_path_factory, name: str, build):
+    """``build(folder)`` run once per test run, across pytest-xdist workers, into ``folder`` (a fresh
+    ``<session folder>/<name>``); every caller gets its return value (pickled beside it)."""
+    root = session_folder(tmp_path_factory)
+    folder, result = root / name, root / f".{name}.result"
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a worker that arrives while another builds waits here
+        if not result.exists():  # (again after a build that failed: it fails again, in this worker too)
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            result.write_bytes(pickle.dumps(build(folder)))
+    return pickle.loads(result.read_bytes())
+
+
 @pytest.fixture(scope="session", autouse=True)
 def demo_cache(tmp_path_factory) -> Path:
-    """Demo datasets are built once per test session into a private cache."""
-    path = Path(os.environ.get("SUITE_TEST_DATA_CACHE") or tmp_path_factory.mktemp("demo-cache"))
+    """Demo datasets are built once per test run into a private cache (its builds lock out each other:
+    :mod:`datamodules.demo`)."""
+    path = Path(os.environ.get("SUITE_TEST_DATA_CACHE") or session_folder(tmp_path_factory) / "demo-cache")
+    path.mkdir(parents=True, exist_ok=True)
     os.environ["SUITE_DATA_CACHE"] = str(path)
     return path
 
@@ -67,9 +96,11 @@ def demo_fit(tmp_path_factory, demo_cache):
 
     def fit(task: str) -> Path:
         if task not in runs:
-            cwd = tmp_path_factory.mktemp(f"demo-fit-{task}")
-            run_task(task, "fit", *TINY[task], *SHAPE_OVERRIDE[task], *QUIET, *SHORT_FIT, cwd=cwd)
-            runs[task] = cwd / "runs" / task
+            def build(cwd: Path) -> Path:
+                run_task(task, "fit", *TINY[task], *SHAPE_OVERRIDE[task], *QUIET, *SHORT_FIT, cwd=cwd)
+                return cwd / "runs" / task
+
+            runs[task] = built_once(tmp_path_factory, f"demo-fit-{task}", build)
         return runs[task]
 
     return fit
@@ -88,16 +119,18 @@ def classify_run(tmp_path_factory, demo_cache) -> SimpleNamespace:
 
     import importlib.util
 
-    cwd = tmp_path_factory.mktemp("classify-run")
-    # without TensorBoard (a dev extra) the media test skips; the CLI test still gets its run
-    names = ("wandb", "tensorboard", "csv") if importlib.util.find_spec("tensorboard") else ("wandb", "csv")
-    args = [*TINY, "--data.eval_batch_size", "16", "--trainer.accelerator", "cpu", *loggers(*names)]
-    fit = run_task("classify", "fit", *args, cwd=cwd)
-    root = cwd / "runs" / "classify"
-    fit_wandb_runs = sorted((root / "wandb").glob("offline-run-*"))
-    last = next(root.rglob("last.ckpt"))
-    test = run_task("classify", "test", "--ckpt_path", str(last), *args, cwd=cwd)
-    return SimpleNamespace(root=root, fit=fit, test=test, last=last, fit_wandb_runs=fit_wandb_runs)
+    def build(cwd: Path) -> SimpleNamespace:
+        # without TensorBoard (a dev extra) the media test skips; the CLI test still gets its run
+        names = ("wandb", "tensorboard", "csv") if importlib.util.find_spec("tensorboard") else ("wandb", "csv")
+        args = [*TINY, "--data.eval_batch_size", "16", "--trainer.accelerator", "cpu", *loggers(*names)]
+        fit = run_task("classify", "fit", *args, cwd=cwd)
+        root = cwd / "runs" / "classify"
+        fit_wandb_runs = sorted((root / "wandb").glob("offline-run-*"))
+        last = next(root.rglob("last.ckpt"))
+        test = run_task("classify", "test", "--ckpt_path", str(last), *args, cwd=cwd)
+        return SimpleNamespace(root=root, fit=fit, test=test, last=last, fit_wandb_runs=fit_wandb_runs)
+
+    return built_once(tmp_path_factory, "classify-run", build)
 
 
 @pytest.fixture
