@@ -92,11 +92,13 @@ import json
 import math
 import platform
 import shutil
+import statistics
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -104,6 +106,7 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # interleaved.py
 
 TASKS = ("classify", "detect", "segment", "translate")
 RECIPE_NAMES = ("demo", "paper")
@@ -172,6 +175,13 @@ class Recipe:
     def channels_last(self) -> bool:
         """The recipe's own setting."""
         return bool(self.config["model"].get("channels_last", False))
+
+    @property
+    def compile(self) -> str:
+        """The recipe's own ``model.compile`` as a variant: "off", "network" or "regional"."""
+        from layers.compile import compile_mode
+
+        return compile_mode(self.config["model"].get("compile", False)) or "off"
 
     @property
     def data_links(self) -> dict:
@@ -532,6 +542,61 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass
+class Prepared:
+    """A run's network, set up as the task sets it up, with its training step on one fixed batch."""
+    model: nn.Module
+    step: Callable[[], torch.Tensor]   # one training step; returns the (detached) loss
+    dtype: torch.dtype
+    params_m: float
+    build_s: float
+
+
+def prepare(run: Run, device: torch.device) -> Prepared:
+    """Builds ``run``'s network, optimizer and synthetic batch on ``device`` (seeded: every variant of a recipe
+    starts from the same weights and batch)."""
+    recipe = run.recipe
+    torch.manual_seed(0)
+    began = time.perf_counter()
+    model = build_network(recipe, run.kind).to(device)
+    if run.kind == "ours":  # the task's own set-up: memory format of weights and inputs, compilation
+        model.channels_last, model.compile_mode = run.channels_last, None if run.compile == "off" else run.compile
+        model.configure_model()
+    else:
+        if run.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        if run.compile != "off":
+            model.compile()
+    optimizer = make_optimizer(model, recipe)
+    inputs, target = make_batch(recipe, device)
+    if run.channels_last:
+        inputs = tuple(x.contiguous(memory_format=torch.channels_last) for x in inputs)
+    dtype = torch.bfloat16 if run.precision == "bf16-mixed" else torch.float16
+    scaler = torch.amp.GradScaler(device.type, enabled=run.precision == "16-mixed")
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype):
+            loss = compute_loss(model, recipe, model(*inputs), target)
+        scaler.scale(loss).backward()
+        if recipe.clip:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(params, recipe.clip)
+        scaler.step(optimizer)
+        scaler.update()
+        return loss.detach()
+
+    model.train()
+    return Prepared(model, step, dtype, params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 3),
+                    build_s=round(time.perf_counter() - began, 2))
+
+
+def warmup_steps(run: Run, args) -> int:
+    # compiled SSDLite recompiles once, on its second call (the anchor cache is filled on the first)
+    return max(args.warmup, 2) if run.compile != "off" else args.warmup
+
+
 def measure(run: Run, args, device: torch.device) -> dict:
     row = base_row(run)
     reason = skip_reason(run, device, args)
@@ -540,43 +605,11 @@ def measure(run: Run, args, device: torch.device) -> dict:
         return row
     recipe = run.recipe
     try:
-        torch.manual_seed(0)
-        began = time.perf_counter()
-        model = build_network(recipe, run.kind).to(device)
-        row["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 3)
-        if run.kind == "ours":  # the task's own set-up: memory format of weights and inputs, compilation
-            model.channels_last, model.compile_mode = run.channels_last, None if run.compile == "off" else run.compile
-            model.configure_model()
-        else:
-            if run.channels_last:
-                model = model.to(memory_format=torch.channels_last)
-            if run.compile != "off":
-                model.compile()
-        optimizer = make_optimizer(model, recipe)
-        inputs, target = make_batch(recipe, device)
-        if run.channels_last:
-            inputs = tuple(x.contiguous(memory_format=torch.channels_last) for x in inputs)
-        dtype = torch.bfloat16 if run.precision == "bf16-mixed" else torch.float16
-        scaler = torch.amp.GradScaler(device.type, enabled=run.precision == "16-mixed")
-        params = [p for p in model.parameters() if p.requires_grad]
-
-        def step() -> torch.Tensor:
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=dtype):
-                loss = compute_loss(model, recipe, model(*inputs), target)
-            scaler.scale(loss).backward()
-            if recipe.clip:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(params, recipe.clip)
-            scaler.step(optimizer)
-            scaler.update()
-            return loss.detach()
-
-        row["build_s"] = round(time.perf_counter() - began, 2)
-        model.train()
+        prepared = prepare(run, device)
+        model, step, dtype = prepared.model, prepared.step, prepared.dtype
+        row.update(params_m=prepared.params_m, build_s=prepared.build_s)
         losses = []
-        # compiled SSDLite recompiles once, on its second call (the anchor cache is filled on the first)
-        warmup = max(args.warmup, 2) if run.compile != "off" else args.warmup
+        warmup = warmup_steps(run, args)
         sync(device)
         start = time.perf_counter()
         for _ in range(warmup):
@@ -607,7 +640,7 @@ def measure(run: Run, args, device: torch.device) -> dict:
         if not all(math.isfinite(v) for v in (row["loss_first"], row["loss_last"])):
             row["note"] = "; ".join(filter(None, [row["note"], "non-finite loss"]))
 
-        del inputs, target, losses
+        del losses, prepared, step  # the step holds the training batch
         if recipe.times_inference and (run.compile == "off" or args.infer_compiled):
             began = time.perf_counter()
             row.update(infer_rates(model, run, dtype, args, device))
@@ -687,6 +720,147 @@ def infer_rates(model: nn.Module, run: Run, dtype, args, device: torch.device) -
 
 
 # --------------------------------------------------------------------------------------------------
+# interleaved rounds: ours against the peer, and the variants a recipe chooses between
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class Group:
+    """Runs of one recipe timed in interleaved rounds (:mod:`interleaved`); the first is the reference each round's
+    ratios divide by. ``pair``: [peer, ours] at the recipe's settings, eager; ``decision``: [the recipe's own
+    channels_last and compile, the other variants of ours]."""
+    kind: str                 # "pair" | "decision"
+    runs: list[Run]
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.runs[0].recipe
+
+
+def interleaved_plan(args) -> list[Group]:
+    """The pairs first (each paper recipe's headline: ours against its peer), then the decision groups."""
+    precision = "bf16-mixed" if "bf16-mixed" in args.precisions else args.precisions[0]
+    pairs, decisions = [], []
+    for recipe in RECIPES:
+        if recipe.task not in args.tasks or recipe.name != "paper" or "paper" not in args.recipes:
+            continue
+        recipe = tiny(recipe) if args.tiny else recipe
+        current = (recipe.channels_last, recipe.compile)
+        if "pairs" in args.interleaved and recipe.peer and args.peers != "none":
+            pairs.append(Group("pair", [Run(recipe, kind, precision, recipe.channels_last, "off")
+                                        for kind in ("peer", "ours")]))
+        if "decide" in args.interleaved:
+            layouts = [False] if recipe.task == "translate" else [False, True]
+            variants = [current] + [(cl, c) for cl in layouts for c in args.compile if (cl, c) != current]
+            decisions.append(Group("decision", [Run(recipe, "ours", precision, cl, c) for cl, c in variants]))
+    return pairs + decisions
+
+
+def measure_group(group: Group, args, device: torch.device) -> list[dict]:
+    """One row per run of ``group``: built, warmed up, then ``args.rounds`` interleaved rounds of
+    ``args.round_steps`` training steps each. ``train_per_s`` is the median of the rounds' rates; ``ratio`` summarises
+    the rounds' rate over the reference's rate in the same round (:func:`interleaved.spread`)."""
+    from interleaved import spread, timed_rounds
+
+    rows, prepared = [base_row(run) for run in group.runs], {}
+    reference = skip_reason(group.runs[0], device, args)
+    if reference:  # nothing to compare with: nothing is built
+        rows[0].update(status="skipped", note=reference)
+        for row in rows[1:]:
+            row.update(status="skipped", note=f"not compared: the reference ({rows[0]['network']}) is skipped")
+        return rows
+    for i, (run, row) in enumerate(zip(group.runs, rows)):
+        reason = skip_reason(run, device, args)
+        if reason:
+            row.update(status="skipped", note=reason)
+            continue
+        began = time.perf_counter()
+        try:
+            prepared[i] = prepare(run, device)
+            row.update(params_m=prepared[i].params_m, build_s=prepared[i].build_s)
+            warmup = warmup_steps(run, args)
+            start = time.perf_counter()
+            loss = [prepared[i].step() for _ in range(warmup)][-1]
+            row.update(warmup_steps=warmup, warmup_s=round(time.perf_counter() - start, 3), loss_first=float(loss))
+        except Exception as error:
+            traceback.print_exc()
+            prepared.pop(i, None)
+            row.update(status="error", note=f"{type(error).__name__}: {error}".replace("\n", " ")[:400])
+        row["seconds"] = round(time.perf_counter() - began, 1)
+    if 0 not in prepared or len(prepared) < 2:
+        why = f"the reference ({rows[0]['network']}, {rows[0]['status']})" if 0 not in prepared else "no other variant"
+        for i in prepared:
+            rows[i].update(status="skipped", note=f"not compared: {why} did not run")
+        return rows
+    began = time.perf_counter()
+    try:
+        seconds, orders = timed_rounds({i: p.step for i, p in prepared.items()}, args.rounds, args.round_steps,
+                                       device)
+    except Exception as error:
+        traceback.print_exc()
+        for i in prepared:
+            rows[i].update(status="error", note=f"{type(error).__name__}: {error}".replace("\n", " ")[:400])
+        return rows
+    items = group.recipe.items_per_step * args.round_steps
+    rates = {i: [items / s for s in per_round] for i, per_round in seconds.items()}
+    timed_s = (time.perf_counter() - began) / len(prepared)
+    for i, per_round in rates.items():
+        ratios = [rate / reference for rate, reference in zip(per_round, rates[0])]
+        rows[i].update(status="ok", rounds=args.rounds, round_steps=args.round_steps, steps=args.rounds * args.round_steps,
+                       train_per_s=statistics.median(per_round), round_per_s=per_round, ratios=ratios,
+                       ratio=spread(ratios), first_in_round=[order.index(i) == 0 for order in orders],
+                       seconds=round(rows[i]["seconds"] + timed_s, 1))
+    return rows
+
+
+def decide(rows: list[dict], current: tuple[bool, str]) -> dict:
+    """The ``model.channels_last`` and ``model.compile`` a recipe should take, from its decision group's rows
+    (each with ``channels_last``, ``compile``, ``status`` and, if ok, ``ratio``: the rounds' rate over the recipe's
+    own setting ``current``, summarised by :func:`interleaved.spread`).
+
+    Rule: an alternative replaces the recipe's setting only if it was faster in every round (its smallest round
+    ratio > 1: the margin exceeds the spread below the median); of those, the one with the highest median. An
+    axis's value is ``None`` (not measured) where the recipe's own setting did not run or no alternative that
+    changes that axis did; ``margin`` is the chosen alternative's median ratio - 1, or, where the setting stays,
+    the fastest alternative's."""
+    by_variant = {(r["channels_last"], r["compile"]): r for r in rows}
+    base = by_variant.get(current)
+    label = lambda v: f"channels_last {'on' if v[0] else 'off'}, compile {v[1]}"  # noqa: E731
+    unmeasured = [f"{label(v)} ({r['status']}: {r['note'] or '-'})" for v, r in by_variant.items()
+                  if v != current and r["status"] != "ok"]
+    decision = {"current": {"channels_last": current[0], "compile": current[1]}, "channels_last": None,
+                "compile": None, "change": False, "margin": None, "chosen": None, "not_measured": unmeasured}
+    if base is None or base["status"] != "ok":
+        decision["evidence"] = f"not measured: the recipe's own setting ({label(current)}) did not run"
+        return decision
+    measured = {v: r["ratio"] for v, r in by_variant.items() if v != current and r["status"] == "ok"}
+    if not measured:
+        decision["evidence"] = "not measured: no alternative to the recipe's own setting ran"
+        return decision
+    resolved = [v for v in measured if measured[v]["min"] > 1.0]
+    shown = max(resolved or measured, key=lambda v: measured[v]["median"])
+    chosen = shown if resolved else current
+    ratio = measured[shown]
+    decision.update(change=bool(resolved), margin=ratio["median"] - 1.0, chosen=list(chosen),
+                    evidence=f"{base['rounds']} rounds x {base['round_steps']} steps; "
+                             f"{'chosen' if resolved else 'fastest'} alternative {label(shown)}: "
+                             f"x{ratio['median']:.3f} (rounds {ratio['min']:.3f}-{ratio['max']:.3f})")
+    for axis, index in (("channels_last", 0), ("compile", 1)):
+        if any(v[index] != current[index] for v in measured):
+            decision[axis] = chosen[index]
+    return decision
+
+
+def decisions(groups: list[dict]) -> list[dict]:
+    """:func:`decide` for every measured decision group (``groups``: the JSON's ``interleaved`` list)."""
+    out = []
+    for group in groups:
+        if group["kind"] != "decision":
+            continue
+        current = (group["current"]["channels_last"], group["current"]["compile"])
+        out.append({"task": group["task"], "recipe_source": group["recipe_source"], **decide(group["rows"], current)})
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 # output
 # --------------------------------------------------------------------------------------------------
 def fmt(value, digits: int = 3) -> str:
@@ -762,10 +936,93 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(output: Path, rows: list[dict], meta: dict) -> None:
+def variant_label(row: dict) -> str:
+    return f"{row['network']} (ch.last {'on' if row['channels_last'] else 'off'}, compile {row['compile']})"
+
+
+def ratio_cell(row: dict) -> tuple[str, str]:
+    """(median ratio, 'min-max (IQR q1-q3)') of a row timed in interleaved rounds; '-' where it did not run."""
+    if row["status"] != "ok":
+        return "-", "-"
+    r = row["ratio"]
+    return f"{r['median']:.3f}", f"{r['min']:.3f}-{r['max']:.3f} (IQR {r['q1']:.3f}-{r['q3']:.3f})"
+
+
+HOW_TO_READ = ("How to read: each round times every variant for the same number of training steps, one after the "
+               "other (the order rotates each round: two variants alternate which goes first), each timing between "
+               "two CUDA events (on a CPU: the host clock). A ratio is taken within one round, so a slow moment of "
+               "the machine hits both sides; the median over the rounds is the result and the spread (smallest to "
+               "largest round ratio, interquartile range in brackets) is how far single rounds strayed from it: a "
+               "difference smaller than the spread is not resolved by this run.")
+DECISION_RULE = ("Rule: a recipe's value changes only if the fastest measured alternative beat the recipe's own setting "
+                 "in every round (its smallest round ratio > 1, i.e. the margin exceeds the spread below the median); "
+                 "*not measured* where the recipe's own setting or every alternative on that axis did not run.")
+
+
+def markdown_interleaved(records: list[dict], meta: dict) -> str:
+    """The interleaved pairs, the decision per paper network and its variants, as Markdown."""
+    if not records:
+        return ""
+    steps = f"{meta['rounds']} rounds x {meta['round_steps']} steps"
+    lines = ["", "## Ours against the peer, interleaved rounds", "",
+             f"Each paper recipe's network against its peer, eager, {steps}; the recipe's channels_last. "
+             + HOW_TO_READ, "",
+             "| task | ours | peer | precision | ch.last | rounds x steps | ours (median) | peer (median) "
+             "| ours/peer (median) | spread of the round ratios | note |",
+             "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | --- | --- |"]
+    for record in (r for r in records if r["kind"] == "pair"):
+        peer, ours = record["rows"]
+        ok = ours["status"] == "ok"
+        rounds = f"{ours['rounds']} x {ours['round_steps']}" if ok else "-"
+        median, spread_text = ratio_cell(ours)
+        note = "; ".join(f"{row['kind']}: {row['status']}: {row['note']}" for row in (peer, ours)
+                         if row["status"] != "ok")
+        lines.append(f"| {record['task']} | {ours['network']} | {peer['network']} | {ours['precision']} "
+                     f"| {'on' if ours['channels_last'] else 'off'} "
+                     f"| {rounds} "
+                     f"| {fmt(ours['train_per_s']) + ' ' + ours['unit'] if ok else '-'} "
+                     f"| {fmt(peer['train_per_s']) + ' ' + peer['unit'] if ok else '-'} "
+                     f"| {median} | {spread_text} | {note.replace('|', '/')} |")
+    lines += ["", "## model.channels_last and model.compile per paper network", "",
+              f"The variants of each paper recipe's network ({steps}, bf16-mixed unless the command says otherwise) "
+              "against the recipe's own setting. " + DECISION_RULE, "",
+              "| recipe | channels_last | compile | margin over the recipe's current setting | evidence (rounds, spread) |",
+              "| --- | --- | --- | ---: | --- |"]
+    for decision in decisions(records):
+        def value(axis: str) -> str:
+            """The recipe's value as YAML writes it, bold where it changes."""
+            if decision[axis] is None:
+                return "not measured"
+            yaml_value = lambda v: str(v).lower() if isinstance(v, bool) else "false" if v == "off" else v  # noqa: E731
+            if decision[axis] == decision["current"][axis]:
+                return f"{yaml_value(decision[axis])} (keep)"
+            return f"**{yaml_value(decision[axis])}** (was {yaml_value(decision['current'][axis])})"
+        margin = "-" if decision["margin"] is None else f"{decision['margin'] * 100:+.1f} %"
+        evidence = decision["evidence"] + (f"; not measured: {'; '.join(decision['not_measured'])}"
+                                           if decision["not_measured"] else "")
+        lines.append(f"| {decision['recipe_source']} | {value('channels_last')} | {value('compile')} | {margin} "
+                     f"| {evidence.replace('|', '/')} |")
+    lines += ["", "| task | variant | rate (median) | over the recipe's setting (median) | spread | note |",
+              "| --- | --- | ---: | ---: | --- | --- |"]
+    for record in (r for r in records if r["kind"] == "decision"):
+        for row in record["rows"]:
+            median, spread_text = ratio_cell(row)
+            rate = fmt(row["train_per_s"]) + " " + row["unit"] if row["status"] == "ok" else "-"
+            note = "" if row["status"] == "ok" else f"{row['status']}: {row['note']}"
+            lines.append(f"| {record['task']} | {variant_label(row)} | {rate} | {median} | {spread_text} "
+                         f"| {note.replace('|', '/')} |")
+    return "\n".join(lines) + "\n\n"
+
+
+def write_outputs(output: Path, rows: list[dict], meta: dict, interleaved: list[dict] | None = None) -> None:
+    interleaved = interleaved or []
     output.mkdir(parents=True, exist_ok=True)
-    (output / "gpu_suite.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (output / "gpu_suite.md").write_text(markdown(rows, meta))
+    (output / "gpu_suite.json").write_text(json.dumps(
+        {"meta": meta, "interleaved": interleaved, "decisions": decisions(interleaved), "rows": rows}, indent=1))
+    table = markdown(rows, meta)
+    head, _, body = table.partition("\n| task |")  # the interleaved sections after the settings, before the table
+    (output / "gpu_suite.md").write_text(head + markdown_interleaved(interleaved, meta)
+                                         + ("## Single-window runs\n\n| task |" + body if body else ""))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -823,8 +1080,10 @@ class Budget:
 
     FIRST_GUESS = {"eager": 23.0, "compiled": 48.0}
 
-    def __init__(self, budget_s: float, compiled_share: float, any_compiled: bool):
+    def __init__(self, budget_s: float, compiled_share: float, any_compiled: bool,
+                 first_guess: dict[str, float] | None = None):
         self.budget_s = budget_s
+        self.first_guess = first_guess or self.FIRST_GUESS
         self.eager_s = budget_s * (1 - compiled_share) if any_compiled else budget_s
         self.seen: dict[str, list[float]] = {"eager": [], "compiled": []}
 
@@ -834,7 +1093,7 @@ class Budget:
 
     def estimate(self, run: Run) -> float:
         seen = self.seen[self.kind(run)]
-        return sum(seen) / len(seen) if seen else self.FIRST_GUESS[self.kind(run)]
+        return sum(seen) / len(seen) if seen else self.first_guess[self.kind(run)]
 
     def refuses(self, run: Run, elapsed: float) -> str | None:
         if not self.budget_s:
@@ -847,6 +1106,22 @@ class Budget:
 
     def record(self, run: Run, seconds: float) -> None:
         self.seen[self.kind(run)].append(seconds)
+
+
+#: seconds per variant of an interleaved group before any was measured: build, warm-up and its share of 7 rounds
+#: of 5 steps (~8 s eager on the first GPU run's sizes); a compiled variant adds its compilation (~25-40 s)
+INTERLEAVED_FIRST_GUESS = {"eager": 8.0, "compiled": 45.0}
+
+
+def affordable(group: Group, budget: Budget, elapsed: float) -> tuple[list[Run], str | None]:
+    """The runs of ``group`` that may start at ``elapsed`` seconds: all, else its eager ones (the compiled
+    variants are dropped first), else none; and why some were dropped."""
+    eager = [run for run in group.runs if run.compile == "off"]
+    for runs in (group.runs, eager if group.runs[0].compile == "off" else []):
+        if len(runs) >= 2 and (not budget.budget_s
+                               or elapsed + sum(budget.estimate(run) for run in runs) <= budget.budget_s):
+            return runs, None if len(runs) == len(group.runs) else "compiled variants"
+    return [], "the group"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -877,21 +1152,38 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="share of --budget-s kept for compiled runs when any are planned (eager runs use the rest)")
     p.add_argument("--infer-compiled", action="store_true",
                    help="also time inference in compiled rows (recompiles each network for eval mode)")
+    p.add_argument("--interleaved", nargs="*", choices=["pairs", "decide"], default=["pairs", "decide"],
+                   help="interleaved rounds before the single-window runs: 'pairs' each paper recipe's network "
+                        "against its peer, 'decide' its channels_last x --compile variants against the recipe's "
+                        "own setting (nothing: none)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7; --tiny 3)")
+    p.add_argument("--round-steps", type=int, default=None,
+                   help="training steps per variant and round (default 5; --tiny 1)")
+    p.add_argument("--interleaved-budget-s", type=float, default=None,
+                   help="start no interleaved group that would end past this many seconds (compiled variants "
+                        "dropped first; default half of --budget-s; 0: none)")
+    p.add_argument("--interleaved-only", action="store_true", help="skip the single-window runs")
     p.add_argument("--device", default=None, help="default: cuda if available; --tiny: cpu")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU; --tiny default 1)")
     p.add_argument("--no-cudnn-benchmark", action="store_true")
     p.add_argument("--output", type=Path, default=None,
                    help=f"default {DEFAULT_OUTPUT.relative_to(REPO)}/ (--tiny: its tiny/ folder)")
     args = p.parse_args(argv)
-    gpu_defaults = dict(channels_last=["off", "on"], compile=list(COMPILES), steps=200, warmup=10,
+    gpu_defaults = dict(channels_last=["off", "on"], compile=list(COMPILES), steps=200, warmup=10, rounds=7,
+                        round_steps=5,
                         max_run_seconds=2.0, budget_s=420.0, infer_steps=50, infer_warmup=10, output=DEFAULT_OUTPUT)
-    tiny_defaults = dict(channels_last=["recipe"], compile=["off"], steps=2, warmup=1, max_run_seconds=0.0,
+    tiny_defaults = dict(channels_last=["recipe"], compile=["off"], steps=2, warmup=1, rounds=3, round_steps=1,
+                         max_run_seconds=0.0,
                          budget_s=0.0, infer_steps=1, infer_warmup=1,
                          output=DEFAULT_OUTPUT / "tiny")
     for key, value in (tiny_defaults if args.tiny else gpu_defaults).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.postprocess_warmup, args.postprocess_steps = (1, 1) if args.tiny else (2, 10)
+    if args.interleaved_budget_s is None:
+        args.interleaved_budget_s = args.budget_s / 2
+    if args.rounds < 1 or args.round_steps < 1:
+        p.error(f"--rounds and --round-steps must be at least 1, got {args.rounds} and {args.round_steps}")
     args.compile = sorted({"network" if v == "on" else v for v in args.compile}, key=COMPILES.index)
     return args
 
@@ -918,6 +1210,41 @@ def plan(args) -> list[Run]:
     return runs
 
 
+def run_interleaved(groups: list[Group], args, device: torch.device, start: float, meta: dict,
+                    single_rows: Callable[[], list[dict]]) -> list[dict]:
+    """Times ``groups`` in order, within ``--interleaved-budget-s`` (:func:`affordable`), rewriting the files after
+    each; returns one record per group: its recipe, the recipe's own setting and a row per run (its order)."""
+    budget = Budget(args.interleaved_budget_s, 0.0, False, first_guess=INTERLEAVED_FIRST_GUESS)
+    records = []
+    for number, group in enumerate(groups, 1):
+        runs, dropped = affordable(group, budget, time.perf_counter() - start)
+        measured = measure_group(Group(group.kind, runs), args, device) if runs else []
+        release(device)
+        by_run = {id(run): row for run, row in zip(runs, measured)}
+        rows = []
+        for run in group.runs:
+            row = by_run.get(id(run))
+            if row is None:
+                row = base_row(run)
+                row.update(status="skipped", note=f"time budget (--interleaved-budget-s {args.interleaved_budget_s:g}: "
+                                                  f"{dropped} would end past it)")
+            elif row["status"] == "ok":
+                budget.record(run, row["seconds"])
+            rows.append(row)
+        recipe = group.recipe
+        records.append({"kind": group.kind, "task": recipe.task, "recipe": recipe.name, "recipe_source": recipe.source,
+                        "network": recipe.network, "peer": recipe.peer if group.kind == "pair" else None,
+                        "current": {"channels_last": recipe.channels_last, "compile": recipe.compile}, "rows": rows})
+        for row in rows[1:]:
+            ratio = f"x{row['ratio']['median']:.3f} (rounds {row['ratio']['min']:.3f}-{row['ratio']['max']:.3f})" \
+                if row["status"] == "ok" else f"{row['status']}: {row['note']}"
+            print(f"[interleaved {number}/{len(groups)} {time.perf_counter() - start:5.0f}s] {recipe.task} "
+                  f"{group.kind}: {variant_label(row)} over {variant_label(rows[0])}: {ratio}", flush=True)
+        meta["wall_s"] = round(time.perf_counter() - start, 1)
+        write_outputs(args.output, single_rows(), meta, records)
+    return records
+
+
 def main(argv=None) -> int:
     from tasks.cli.runtime import reuse_freed_memory
 
@@ -936,7 +1263,8 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
 
-    runs = plan(args)
+    runs = [] if args.interleaved_only else plan(args)
+    groups = interleaved_plan(args)
     meta = {
         "command": "python benchmarks/gpu_suite.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -949,11 +1277,14 @@ def main(argv=None) -> int:
         "infer_warmup": args.infer_warmup, "infer_steps": args.infer_steps, "compiled_share": args.compiled_share,
         "postprocess_warmup": args.postprocess_warmup, "postprocess_steps": args.postprocess_steps,
         "budget_s": args.budget_s, "tiny": args.tiny, "measured": MEASURED, "loss": LOSSES,
+        "rounds": args.rounds, "round_steps": args.round_steps, "interleaved_budget_s": args.interleaved_budget_s,
         "recipes": {f"{r.task} {r.name}": r.source for r in RECIPES}, "wall_s": 0.0,
     }
-    print(f"{len(runs)} runs on {meta['device_name']}; output {args.output}", flush=True)
+    print(f"{len(groups)} interleaved groups and {len(runs)} runs on {meta['device_name']}; output {args.output}",
+          flush=True)
     rows: dict[int, dict] = {id(run): base_row(run) for run in runs}
     start = time.perf_counter()
+    records = run_interleaved(groups, args, device, start, meta, lambda: [rows[id(r)] for r in runs])
     budget = Budget(args.budget_s, args.compiled_share, any(run.compile != "off" for run in runs))
     for i, run in enumerate(sorted(runs, key=Run.priority), 1):
         refused = budget.refuses(run, time.perf_counter() - start)
@@ -983,8 +1314,11 @@ def main(argv=None) -> int:
         print(f"[{i}/{len(runs)} {time.perf_counter() - start:5.0f}s] {what}: {result}", flush=True)
         meta["wall_s"] = round(time.perf_counter() - start, 1)
         ordered = [rows[id(r)] for r in sorted(runs, key=Run.order)]
-        write_outputs(args.output, ordered, meta)
-    counts = {s: sum(r["status"] == s for r in rows.values()) for s in ("ok", "skipped", "error")}
+        write_outputs(args.output, ordered, meta, records)
+    if not runs:
+        write_outputs(args.output, [], meta, records)
+    every_row = [*rows.values(), *(row for record in records for row in record["rows"])]
+    counts = {s: sum(r["status"] == s for r in every_row) for s in ("ok", "skipped", "error")}
     print(f"done in {meta['wall_s']:.0f} s: {counts['ok']} ok, {counts['skipped']} skipped, {counts['error']} errors; "
           f"{args.output / 'gpu_suite.md'}, {args.output / 'gpu_suite.json'}")
     return 1 if counts["error"] else 0

@@ -67,33 +67,39 @@ def test_all_stages_pass_tiny_on_the_cpu(tmp_path):
 
 
 def test_a_headline_row_that_did_not_run_fails_the_check_and_heads_the_summary(tmp_path):
-    """A paper recipe's eager ours/peer row skipped by the budget, or a fit that failed, is named and exits 1; a
-    compiled row cut, or a peer with no equivalent of the recipe, is not a headline failure."""
+    """A paper recipe's interleaved ours-vs-peer pair with a side skipped by the budget, a paper peer timed in a
+    single window with no pair, or a fit that failed, is named and exits 1; a single-window compiled row cut, or a
+    peer with no equivalent of the recipe, is not a headline failure."""
     import sys
 
-    def suite_row(kind, status, compile="off", note=""):
-        return {"task": "classify", "recipe": "imagenet_mobilevitv2_200", "kind": kind, "network": "n",
-                "status": status, "compile": compile, "note": note}
+    def row(kind, status, compile="off", note="", task="classify"):
+        return {"task": task, "recipe": "paper", "kind": kind, "network": "n", "status": status, "compile": compile,
+                "note": note}
 
-    def check(suite_rows, fit_rows):
-        (tmp_path / "gpu_suite.json").write_text(json.dumps({"rows": suite_rows}))
+    def pair(peer, ours, task="classify"):
+        return {"kind": "pair", "task": task, "rows": [peer, ours]}
+
+    def check(pairs, single_rows, fit_rows, *flags):
+        (tmp_path / "gpu_suite.json").write_text(json.dumps({"interleaved": pairs, "rows": single_rows}))
         (tmp_path / "gpu_fit.json").write_text(json.dumps({"rows": fit_rows}))
         (tmp_path / "demo.json").write_text(json.dumps({"status": "ok"}))
         proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_headline.py"), str(tmp_path),
-                               str(tmp_path / "headline.md"), "all"], capture_output=True, text=True)
+                               str(tmp_path / "headline.md"), "all", *flags], capture_output=True, text=True)
         return proc.returncode, (tmp_path / "headline.md").read_text()
 
-    fine = [suite_row("ours", "ok"), suite_row("peer", "ok"), suite_row("ours", "skipped", "network", "budget"),
-            suite_row("peer", "skipped", note="MarianMTModel has no equivalent of the recipe's {}")]
-    assert check(fine, [{"task": "detect", "status": "ok"}]) == (0, "")
-    rc, text = check([suite_row("ours", "ok"), suite_row("peer", "skipped", note="over the budget")],
-                     [{"task": "detect", "status": "error", "note": "exit 1"}])
+    no_equivalent = row("peer", "skipped", note="MarianMTModel has no equivalent of the recipe's {}", task="translate")
+    fine = [pair(row("peer", "ok"), row("ours", "ok")),
+            pair(no_equivalent, row("ours", "skipped", note="not compared", task="translate"), task="translate")]
+    single = [row("ours", "skipped", "network", "budget"), row("peer", "skipped", note="budget")]
+    assert check(fine, single, [{"task": "detect", "status": "ok"}]) == (0, "")
+    rc, text = check([pair(row("peer", "skipped", note="over the budget"), row("ours", "ok"))],
+                     [row("peer", "ok", task="segment")], [{"task": "detect", "status": "error", "note": "exit 1"}])
     assert rc == 1 and text.startswith("**Headline rows that did not run")
-    assert "suite: classify imagenet_mobilevitv2_200 peer (n) skipped: over the budget" in text
+    assert "suite: classify paper peer (n) skipped: over the budget" in text
+    assert "suite: segment paper: no interleaved ours-vs-peer pair" in text
     assert "fit: detect error: exit 1" in text
-    missing_library = [suite_row("ours", "ok"), suite_row("peer", "skipped", note="timm not installed (peer)")]
-    assert check(missing_library, [])[0] == 1  # on the GPU machine: the comparison is missing
-    (tmp_path / "gpu_suite.json").write_text(json.dumps({"rows": missing_library}))
-    smoke = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_headline.py"), str(tmp_path),
-                            str(tmp_path / "headline.md"), "suite", "--allow-missing-peers"])
-    assert smoke.returncode == 0  # --tiny on a CPU machine without the peer's library
+    assert check([], [], [])[0] == 1  # no pair at all
+    missing_library = [pair(row("peer", "skipped", note="timm not installed (peer)"), row("ours", "skipped"))]
+    assert check(missing_library, [], [])[0] == 1  # on the GPU machine: the comparison is missing
+    # --tiny on a CPU machine without the peer's library
+    assert check(missing_library, [], [{"task": "detect", "status": "ok"}], "--allow-missing-peers") == (0, "")

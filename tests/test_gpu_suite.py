@@ -133,3 +133,104 @@ def test_compiled_runs_keep_their_share_of_the_budget_and_estimates_follow_measu
     assert budget.refuses(eager, 45.0) is None  # the measured 10 s replaces the first guess
     assert gpu_suite.Budget(100.0, 0.4, any_compiled=False).refuses(eager, 70.0) is None  # nothing to keep it for
     assert gpu_suite.Budget(0.0, 0.4, any_compiled=True).refuses(eager, 1e6) is None  # no budget
+
+
+def suite_module():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_suite
+
+    return gpu_suite
+
+
+def test_interleaved_rounds_alternate_which_variant_goes_first():
+    """Each round times every variant for the same number of calls, the order rotating by one per round."""
+    import numpy as np
+
+    suite_module()
+    from interleaved import round_orders, spread, timed_rounds
+
+    calls = []
+    variants = {name: (lambda name=name: calls.append(name)) for name in "AB"}
+    seconds, orders = timed_rounds(variants, rounds=4, calls=2, device=torch.device("cpu"))
+    assert orders == [["A", "B"], ["B", "A"], ["A", "B"], ["B", "A"]]
+    assert "".join(calls) == "AABB" "BBAA" "AABB" "BBAA"
+    assert {name: len(values) for name, values in seconds.items()} == {"A": 4, "B": 4}
+    assert round_orders(["x", "y", "z"], 3) == [["x", "y", "z"], ["y", "z", "x"], ["z", "x", "y"]]
+    values = [1.3, 0.9, 1.05, 1.1, 0.97, 1.0]  # quartiles as numpy's default (linear) percentiles
+    summary = spread(values)
+    assert [summary[k] for k in ("min", "q1", "median", "q3", "max")] == pytest.approx(
+        np.percentile(values, [0, 25, 50, 75, 100]))
+    with pytest.raises(ValueError, match="rounds=0"):
+        timed_rounds(variants, rounds=0, calls=1, device=torch.device("cpu"))
+
+
+def test_one_network_timed_against_itself_gives_a_ratio_near_one():
+    """The demo classification recipe's network (built as `fit --config` builds it, toy size) as both sides of
+    an interleaved pair: every round is timed, the sides alternate, and the median ratio is near 1 with its spread
+    reported (a loose bound: the CPU is shared; the check is that the two sides are timed alike)."""
+    gpu_suite = suite_module()
+    recipe = gpu_suite.tiny(next(r for r in gpu_suite.RECIPES if r.task == "classify" and r.name == "demo"))
+    run = gpu_suite.Run(recipe, "ours", "bf16-mixed", recipe.channels_last, "off")
+    args = gpu_suite.parse_args(["--tiny", "--rounds", "6"])
+    torch.set_num_threads(1)
+    reference, same = gpu_suite.measure_group(gpu_suite.Group("pair", [run, run]), args, torch.device("cpu"))
+    for row in (reference, same):
+        assert row["status"] == "ok", row["note"]
+        assert row["rounds"] == 6 and row["round_steps"] == 1 and len(row["round_per_s"]) == 6
+        assert math.isfinite(row["loss_first"]) and row["train_per_s"] > 0
+    assert reference["ratios"] == [1.0] * 6
+    assert same["first_in_round"] == [r % 2 == 1 for r in range(6)]
+    assert reference["first_in_round"] == [r % 2 == 0 for r in range(6)]
+    ratio = same["ratio"]
+    assert 0.5 < ratio["median"] < 2.0, same["ratios"]
+    assert ratio["min"] <= ratio["q1"] <= ratio["median"] <= ratio["q3"] <= ratio["max"]
+    text = gpu_suite.markdown_interleaved([{"kind": "pair", "task": "classify", "rows": [reference, same]}],
+                                          {"rounds": 6, "round_steps": 1})
+    assert f"| 6 x 1 | " in text and f"{ratio['median']:.3f}" in text and "How to read" in text
+
+
+def variant(channels_last, compile, status="ok", ratios=None, note=""):
+    from interleaved import spread
+
+    row = {"channels_last": channels_last, "compile": compile, "status": status, "note": note, "rounds": 5,
+           "round_steps": 5}
+    if ratios:
+        row.update(ratios=ratios, ratio=spread(ratios))
+    return row
+
+
+def test_the_decision_takes_the_variant_faster_in_every_round_and_refuses_on_missing_rows():
+    gpu_suite = suite_module()
+    current = (True, "off")
+    rows = [variant(True, "off", ratios=[1.0] * 5),
+            variant(False, "off", ratios=[0.90, 0.92, 0.91, 0.93, 0.90]),
+            variant(True, "regional", ratios=[1.20, 1.25, 1.22, 1.30, 1.21]),
+            variant(True, "network", ratios=[1.60, 0.95, 1.50, 1.70, 1.55]),  # faster median, one slower round
+            variant(False, "network", "skipped", note="time budget")]
+    decision = gpu_suite.decide(rows, current)
+    assert (decision["channels_last"], decision["compile"], decision["change"]) == (True, "regional", True)
+    assert decision["margin"] == pytest.approx(0.22)
+    assert decision["not_measured"] == ["channels_last off, compile network (skipped: time budget)"]
+    assert "chosen alternative channels_last on, compile regional: x1.220 (rounds 1.200-1.300)" in decision["evidence"]
+
+    # no alternative beats the setting in every round: it stays, the fastest alternative's margin shown
+    kept = gpu_suite.decide(rows[:2] + rows[3:4], current)
+    assert (kept["channels_last"], kept["compile"], kept["change"]) == (True, "off", False)
+    assert kept["margin"] == pytest.approx(0.55)
+    # only the layout was measured: the compile value is not guessed
+    layout = gpu_suite.decide([rows[0], variant(False, "off", ratios=[1.1, 1.2, 1.15])], current)
+    assert (layout["channels_last"], layout["compile"]) == (False, None)
+
+    for missing in ([], rows[1:], [variant(True, "off", "error", note="OOM")] + rows[1:],
+                    [rows[0], variant(False, "off", "skipped", note="time budget")]):
+        refused = gpu_suite.decide(missing, current)
+        assert (refused["channels_last"], refused["compile"], refused["margin"]) == (None, None, None)
+        assert refused["evidence"].startswith("not measured")
+    record = {"kind": "decision", "task": "classify", "recipe_source": "configs/x.yaml",
+              "current": {"channels_last": True, "compile": "off"},
+              "rows": [dict(r, network="n", unit="img/s", train_per_s=1.0) for r in rows[1:]]}
+    table = gpu_suite.markdown_interleaved([record], {"rounds": 5, "round_steps": 5})
+    assert "| configs/x.yaml | not measured | not measured | - | not measured: the recipe's own setting" in table
+    record["rows"].insert(0, dict(rows[0], network="n", unit="img/s", train_per_s=1.0))
+    table = gpu_suite.markdown_interleaved([record], {"rounds": 5, "round_steps": 5})
+    assert "| configs/x.yaml | true (keep) | **regional** (was false) | +22.0 % |" in table
