@@ -43,6 +43,19 @@ torchvision's: ``postprocess_detections``), segmentation's bilinear upsampling t
 argmax (10 timed after 2 warm-up). The paper's V100 images/s is printed beside ours. Translation
 times the teacher-forced forward (target tokens/s) at the recipe's batch.
 
+Interleaved rounds (run first, ``--interleaved pairs decide``; :mod:`interleaved`): the single-window rows
+below time each variant once, at its own moment, so two rows differ by the machine's mood too (the first GPU run
+measured ours/timm 0.94 in one run and 0.84 in the next). For the headline comparisons each paper recipe's
+network and its peer (eager, the recipe's channels_last, bf16-mixed) are built once, warmed up, then timed in
+``--rounds`` rounds (default 7) of ``--round-steps`` training steps each (default 5), ours and the peer turn about
+which goes first, each timing between two CUDA events (the host waits on the end event only; on a CPU the host
+clock). Per pair: the median rate of each side, the median of the rounds' ratios ours/peer and their spread
+(min-max and interquartile range). The same for each paper network's channels_last on/off x ``--compile``
+variants against the recipe's own setting, from which :func:`decide` writes the ``model.channels_last`` and
+``model.compile`` each recipe should take (rule: an alternative must win every round; "not measured" where a
+variant did not run). These groups have their own budget (``--interleaved-budget-s``, default half of
+``--budget-s``; compiled variants are dropped first); the single-window runs get what is left of ``--budget-s``.
+
 Compilation is the task's own ``--model.compile`` (``TaskModule.configure_model``, :mod:`layers.compile`):
 ``network`` compiles each sub-network whole (backbone, head; encoder, decoder), ``regional`` only the
 blocks each network repeats (its ``repeated_blocks``: transformer layers, mixer blocks), the rest eager.
@@ -71,8 +84,10 @@ its own layout (``--channels-last recipe``), no compilation unless ``--compile o
 exists so that the suite cannot rot (``tests/test_gpu_suite.py``); its numbers mean nothing.
 
 Outputs (``--output``, default ``benchmarks/gpu_results/``; ``--tiny``: its ``tiny/`` folder):
-``gpu_suite.md`` (one Markdown table) and ``gpu_suite.json`` (every row, the loss curve
-subsampled, the settings and the machine).
+``gpu_suite.md`` (the interleaved pairs, the decision per paper recipe and its variants, then one table of the
+single-window rows) and ``gpu_suite.json`` (``interleaved``: a record per group with a row per variant, each
+round's rate and ratio; ``decisions``; ``rows``: every single-window row, the loss curve subsampled; the settings
+and the machine).
 
 The suite needs the project's own requirements (torch, PyYAML, jsonargparse); torchvision, timm and
 transformers (the project's ``bench`` extra) give the peers (their rows are skipped with a note if
@@ -750,7 +765,8 @@ def interleaved_plan(args) -> list[Group]:
         if "decide" in args.interleaved:
             layouts = [False] if recipe.task == "translate" else [False, True]
             variants = [current] + [(cl, c) for cl in layouts for c in args.compile if (cl, c) != current]
-            decisions.append(Group("decision", [Run(recipe, "ours", precision, cl, c) for cl, c in variants]))
+            if len(variants) > 1:  # (translation with --compile off: nothing to decide between)
+                decisions.append(Group("decision", [Run(recipe, "ours", precision, cl, c) for cl, c in variants]))
     return pairs + decisions
 
 
@@ -786,9 +802,9 @@ def measure_group(group: Group, args, device: torch.device) -> list[dict]:
             row.update(status="error", note=f"{type(error).__name__}: {error}".replace("\n", " ")[:400])
         row["seconds"] = round(time.perf_counter() - began, 1)
     if 0 not in prepared or len(prepared) < 2:
-        why = f"the reference ({rows[0]['network']}, {rows[0]['status']})" if 0 not in prepared else "no other variant"
+        why = f"the reference ({rows[0]['network']}) did not run" if 0 not in prepared else "no other variant ran"
         for i in prepared:
-            rows[i].update(status="skipped", note=f"not compared: {why} did not run")
+            rows[i].update(status="skipped", note=f"not compared: {why}")
         return rows
     began = time.perf_counter()
     try:
@@ -985,7 +1001,9 @@ def markdown_interleaved(records: list[dict], meta: dict) -> str:
                      f"| {median} | {spread_text} | {note.replace('|', '/')} |")
     lines += ["", "## model.channels_last and model.compile per paper network", "",
               f"The variants of each paper recipe's network ({steps}, bf16-mixed unless the command says otherwise) "
-              "against the recipe's own setting. " + DECISION_RULE, "",
+              "against the recipe's own setting. " + DECISION_RULE
+              + (" **Measured on a CPU: these values say nothing about a GPU.**" if meta.get("device") == "cpu" else ""),
+              "",
               "| recipe | channels_last | compile | margin over the recipe's current setting | evidence (rounds, spread) |",
               "| --- | --- | --- | ---: | --- |"]
     for decision in decisions(records):
@@ -1120,8 +1138,8 @@ def affordable(group: Group, budget: Budget, elapsed: float) -> tuple[list[Run],
     for runs in (group.runs, eager if group.runs[0].compile == "off" else []):
         if len(runs) >= 2 and (not budget.budget_s
                                or elapsed + sum(budget.estimate(run) for run in runs) <= budget.budget_s):
-            return runs, None if len(runs) == len(group.runs) else "compiled variants"
-    return [], "the group"
+            return runs, None if len(runs) == len(group.runs) else "the compiled variants"
+    return [], "the group (or its eager variants alone)"
 
 
 def parse_args(argv=None) -> argparse.Namespace:

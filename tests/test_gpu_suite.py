@@ -3,6 +3,7 @@ for every task, network and variant and writes its Markdown table and JSON (slow
 asserted. The translation peer's dimensions and the time budget's rules are checked directly."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -52,6 +53,9 @@ def test_tiny_suite_writes_a_row_per_task_and_variant(tmp_path):
         if row["precision"] == "16-mixed":  # fp16 autocast is a GPU setting: skipped on CPU, with a note
             assert row["status"] == "skipped" and "CPU" in row["note"], where
             continue
+        if row["kind"] == "peer" and row["task"] == "translate" and importlib.util.find_spec("transformers") is None:
+            assert row["status"] == "skipped" and "transformers not installed" in row["note"], where
+            continue
         assert row["status"] == "ok", f"{where}: {row['status']} {row['note']}"
         assert row["steps"] == 2 and row["warmup_steps"] == 1, where
         for key in ("train_per_s", "loss_first", "loss_last", "params_m"):
@@ -71,11 +75,35 @@ def test_tiny_suite_writes_a_row_per_task_and_variant(tmp_path):
 
     table = (tmp_path / "out" / "gpu_suite.md").read_text()
     assert "training step throughput of the network" in table
-    lines = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith(("| task", "| ---"))]
+    single = table.split("## Single-window runs")[1]
+    lines = [line for line in single.splitlines() if line.startswith("| ") and not line.startswith(("| task", "| ---"))]
     assert len(lines) == len(rows)
     for task in TASKS:
         assert f"| {task} | demo |" in table and f"| {task} | paper |" in table
     assert "| 2,351 |" in table and "| 2,782 |" in table and "| 241 |" in table
+
+    # interleaved rounds (3 of 1 step): each paper recipe's network against its peer, then against its other layout
+    groups = {(g["kind"], g["task"]): g for g in data["interleaved"]}
+    image_tasks = ("classify", "detect", "segment")
+    assert set(groups) == {("pair", task) for task in TASKS} | {("decision", task) for task in image_tasks}
+    for (kind, task), group in groups.items():
+        assert group["recipe"] == "paper" and group["current"] == {"channels_last": task != "translate",
+                                                                   "compile": "off"}
+        if task == "translate" and importlib.util.find_spec("transformers") is None:
+            assert [r["status"] for r in group["rows"]] == ["skipped", "skipped"]
+            continue
+        reference, other = group["rows"]
+        assert [reference["kind"], other["kind"]] == (["peer", "ours"] if kind == "pair" else ["ours", "ours"])
+        for row in group["rows"]:
+            assert row["status"] == "ok" and row["rounds"] == 3 and row["round_steps"] == 1, (kind, task, row["note"])
+            assert len(row["ratios"]) == 3 and row["train_per_s"] > 0
+        assert (other["channels_last"] != reference["channels_last"]) == (kind == "decision")
+    decided = {d["task"]: d for d in data["decisions"]}
+    assert set(decided) == set(image_tasks)
+    for decision in decided.values():  # the layout was measured both ways; no compiled variant ran
+        assert isinstance(decision["channels_last"], bool) and decision["compile"] is None
+    assert "## Ours against the peer, interleaved rounds" in table and "How to read" in table
+    assert "| configs/classify/imagenet_mobilevitv2_100.yaml | " in table
 
 
 def test_check_env_reports_optional_packages(tmp_path):
@@ -185,7 +213,7 @@ def test_one_network_timed_against_itself_gives_a_ratio_near_one():
     assert 0.5 < ratio["median"] < 2.0, same["ratios"]
     assert ratio["min"] <= ratio["q1"] <= ratio["median"] <= ratio["q3"] <= ratio["max"]
     text = gpu_suite.markdown_interleaved([{"kind": "pair", "task": "classify", "rows": [reference, same]}],
-                                          {"rounds": 6, "round_steps": 1})
+                                          {"rounds": 6, "round_steps": 1, "device": "cpu"})
     assert f"| 6 x 1 | " in text and f"{ratio['median']:.3f}" in text and "How to read" in text
 
 
