@@ -4,6 +4,7 @@ asserted. The translation peer's dimensions and the time budget's rules are chec
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import subprocess
@@ -262,3 +263,37 @@ def test_the_decision_takes_the_variant_faster_in_every_round_and_refuses_on_mis
     record["rows"].insert(0, dict(rows[0], network="n", unit="img/s", train_per_s=1.0))
     table = gpu_suite.markdown_interleaved([record], {"rounds": 5, "round_steps": 5})
     assert "| configs/x.yaml | true (keep) | **regional** (was false) | +22.0 % |" in table
+
+
+def test_on_cuda_each_timing_is_two_events_and_the_host_waits_on_the_end_event_only(monkeypatch):
+    """The CUDA branch driven on the CPU with a fake event: per round and variant, start recorded, the calls, end
+    recorded, a wait on the end event, its elapsed time (milliseconds) read; one device-wide synchronisation before
+    the rounds (the warm-up's work) and none inside them."""
+    suite_module()
+    import interleaved
+
+    log, names = [], itertools.cycle(["start", "end"])  # a timing makes its start event, then its end event
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.name = next(names)
+            log.append(f"new {self.name}")
+
+        def record(self):
+            log.append(f"record {self.name}")
+
+        def synchronize(self):
+            log.append(f"wait {self.name}")
+
+        def elapsed_time(self, end):
+            log.append("elapsed")
+            return 250.0
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("device sync"))
+    seconds, _ = interleaved.timed_rounds({"A": lambda: log.append("A"), "B": lambda: log.append("B")}, rounds=2,
+                                          calls=2, device=torch.device("cuda"))
+    assert seconds == {"A": [0.25, 0.25], "B": [0.25, 0.25]}
+    one = lambda name: ["new start", "new end", "record start", name, name, "record end", "wait end", "elapsed"]  # noqa: E731
+    assert log == ["device sync", *one("A"), *one("B"), *one("B"), *one("A")]
