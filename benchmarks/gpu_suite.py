@@ -53,7 +53,10 @@ clock). Per pair: the median rate of each side, the median of the rounds' ratios
 (min-max and interquartile range). The same for each paper network's channels_last on/off x ``--compile``
 variants against the recipe's own setting, from which :func:`decide` writes the ``model.channels_last`` and
 ``model.compile`` each recipe should take (rule: an alternative must win every round; "not measured" where a
-variant did not run). These groups have their own budget (``--interleaved-budget-s``, default half of
+variant did not run). A decision group compiles one network class in several layouts and modes in one process:
+a second layout may recompile a graph with a dimension marked dynamic (Dynamo's automatic dynamic shapes) where a
+fit, with one layout, runs a static one; its compiled rows are then a lower bound (see the run's recompile log).
+These groups have their own budget (``--interleaved-budget-s``, default half of
 ``--budget-s``; compiled variants are dropped first); the single-window runs get what is left of ``--budget-s``.
 
 Compilation is the task's own ``--model.compile`` (``TaskModule.configure_model``, :mod:`layers.compile`):
