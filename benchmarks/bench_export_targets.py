@@ -2,19 +2,25 @@
 and its score on the test split beside the checkpoint's (``export --format all --int8 true``).
 
     python benchmarks/bench_export_targets.py classify=runs/classify/checkpoints/last.ckpt \\
-        detect=runs/detect/checkpoints/last.ckpt --reps 7 [--out table.md]
+        segment=runs/segment/checkpoints/last.ckpt --export_args "segment=--data.crop_size 128" --reps 7 \\
+        [--out table.md]
 
 Each checkpoint is exported by the ``export`` command's own code (:mod:`tasks.export.command`) into a
-temporary folder, with tensor and metric parity checked as the command checks them. Latency is the
-median over ``--reps`` calls of the **process CPU time** of one call (every thread's CPU, so another
-process's load on a shared machine does not inflate it; a runtime that spreads a call over threads is
-charged for all of them), on seeded inputs at the export size: images for the image tasks (the program's
-graph: the raw SSDLite head outside ONNX, the head with NMS inside ONNX), greedy translation of
-1 / 8 seeded random sources of up to 16 tokens for translation. Eager is the same graph in PyTorch, in the same process.
+temporary folder, with tensor and metric parity checked as the command checks them; each export's report
+is printed as the command prints it. ``--export_args TASK=ARGS`` adds ``export`` options for one task's
+checkpoint (segmentation: ``--data.crop_size`` at the test images' size, since ExecuTorch's image programs
+are static). Latency is the median over ``--reps`` calls, after one warm-up call, of the wall-clock time
+and of the **process CPU time** of one call (every thread's CPU: on a shared machine another process's
+load inflates the wall time and not the CPU time, while a runtime whose worker threads spin-wait is
+charged for the spinning), on seeded inputs at the export size: images for the image tasks (the
+program's graph: the raw SSDLite head outside ONNX, the head with NMS inside ONNX), greedy translation
+of 1 / 8 seeded random sources of up to 16 tokens for translation. Eager is the same graph in PyTorch,
+in the same process.
 """
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import statistics
 import sys
@@ -27,15 +33,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def cpu_ms(call, reps: int) -> float:
-    """Median process CPU time of ``call()`` in ms over ``reps`` calls, after one warm-up call."""
+def latency_ms(call, reps: int) -> tuple[float, float]:
+    """(median wall-clock ms, median process CPU ms) of ``call()`` over ``reps`` calls, after one warm-up call."""
     call()
-    times = []
+    wall, cpu = [], []
     for _ in range(reps):
-        start = time.process_time()
+        start_wall, start_cpu = time.perf_counter(), time.process_time()
         call()
-        times.append((time.process_time() - start) * 1000)
-    return statistics.median(times)
+        wall.append((time.perf_counter() - start_wall) * 1000)
+        cpu.append((time.process_time() - start_cpu) * 1000)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def latency_cells(job, task: str, runners, reps: int) -> str:
+    """``| wall / CPU at batch 1 | wall / CPU at batch 8 |`` of ``runners`` (``None``: eager)."""
+    return " | ".join("{:.1f} / {:.1f}".format(*latency_ms(batch_call(job, task, runners, b), reps)) for b in (1, 8))
 
 
 def size_mb(files) -> float:
@@ -67,41 +79,42 @@ def batch_call(job, task: str, run, batch: int):
     return lambda: run["model"](images)
 
 
-def bench_checkpoint(task: str, ckpt: Path, reps: int, calibration: int) -> list[str]:
+def bench_checkpoint(task: str, ckpt: Path, reps: int, calibration: int, extra: list[str]) -> list[str]:
     import importlib
 
     from configs.tasks import task_declaration
-    from tasks.export.command import export_targets, prepare_export
+    from tasks.export.command import export_targets, prepare_export, runnable
     from tasks.export.programs import Refused
 
     model_module, class_name = task_declaration(task).module.rsplit(".", 1)
     model_class = getattr(importlib.import_module(model_module), class_name)
     work = Path(tempfile.mkdtemp(prefix=f"bench-export-{task}-"))
     copy = shutil.copy(ckpt, work / "model.ckpt")
-    job = prepare_export(["--ckpt_path", str(copy), "--format", "all", "--int8", "true",
-                          "--calibration", str(calibration)], model_class)
+    command = ["--ckpt_path", str(copy), "--format", "all", "--int8", "true", "--calibration", str(calibration), *extra]
+    job = prepare_export(command, model_class)
     rows, refused = [], []
     with torch.no_grad():
-        eager = [cpu_ms(batch_call(job, task, None, b), reps) for b in (1, 8)]
+        eager = latency_cells(job, task, None, reps)
         checkpoint_score = job.scorer.checkpoint
         ckpt_mb = sum(p.numel() * p.element_size() for p in job.request.model.state_dict().values()) / 2 ** 20
-        rows.append(f"| eager PyTorch | {ckpt_mb:.2f} | {eager[0]:.1f} | {eager[1]:.1f} | {checkpoint_score:.2f} | - |")
+        rows.append(f"| eager PyTorch | {ckpt_mb:.2f} | {eager} | {checkpoint_score:.2f} | - |")
         for done in export_targets(job):
             if isinstance(done, Refused):
+                print(f"refused:   {done}", flush=True)
                 refused.append(str(done))
                 continue
+            print(done.report, flush=True)
             score = next((c for c in done.report.checks if hasattr(c, "checkpoint")), None)
             name = f"{done.target}{' int8' if done.int8 else ''}"
-            if not done.runners:
+            if not runnable(done.runners):
                 rows.append(f"| {name} | {size_mb(done.report.files):.2f} | needs macOS | needs macOS | - | - |")
                 continue
-            latency = [cpu_ms(batch_call(job, task, done.runners, b), reps) for b in (1, 8)]
             ok = "" if done.report.ok else " FAILED"
-            rows.append(f"| {name} | {size_mb(done.report.files):.2f} | {latency[0]:.1f} | {latency[1]:.1f} | "
+            rows.append(f"| {name} | {size_mb(done.report.files):.2f} | {latency_cells(job, task, done.runners, reps)} | "
                         f"{score.exported:.2f} | {score.difference:+.2f}{ok} |")
     metric = job.scorer.metric
-    table = [f"### {task}: {ckpt}", "", f"score: {metric} in points on {job.scorer.where}; latency: median process "
-             f"CPU ms per call over {reps} calls", "",
+    table = [f"### {task}: {ckpt}", "", f"`export {' '.join(command[2:])}`; score: {metric} in points on "
+             f"{job.scorer.where}; latency: median ms per call over {reps} calls, wall-clock / process CPU", "",
              "| format | size MB | batch 1 ms | batch 8 ms | score | difference |", "| --- | ---: | ---: | ---: | ---: | ---: |",
              *rows, ""]
     table += [f"refused: {line}" for line in refused] + ([""] if refused else [])
@@ -114,11 +127,21 @@ def main(argv=None) -> None:
     parser.add_argument("checkpoints", nargs="+", help="task=path/to/last.ckpt")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--calibration", type=int, default=64)
+    parser.add_argument("--export_args", action="append", default=[], metavar="TASK=ARGS",
+                        help="export options for TASK's checkpoint, e.g. 'segment=--data.crop_size 128'")
     parser.add_argument("--out", default=None, help="also append the tables to this file")
     args = parser.parse_args(argv)
+    extra = {}
+    for item in args.export_args:
+        task, sep, options = item.partition("=")
+        if not sep:
+            parser.error(f"--export_args takes TASK=ARGS, got {item!r}")
+        extra[task] = shlex.split(options)
     for item in args.checkpoints:
-        task, _, path = item.partition("=")
-        lines = bench_checkpoint(task, Path(path), args.reps, args.calibration)
+        task, sep, path = item.partition("=")
+        if not sep or not Path(path).is_file():
+            parser.error(f"a checkpoint is given as task=path/to/file.ckpt, got {item!r}")
+        lines = bench_checkpoint(task, Path(path), args.reps, args.calibration, extra.get(task, []))
         text = "\n".join(lines) + "\n"
         print(text, flush=True)
         if args.out:

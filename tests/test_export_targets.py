@@ -166,3 +166,31 @@ def test_every_format_passes_parity_or_is_refused_by_name(task, demo_fit, tmp_pa
     assert all("coreml" in line or "executorch" in line for line in refused), refused
     # Core ML: converted here (not run), or refused naming why
     assert (tmp_path / "last.mlpackage").exists() or any("coreml" in line for line in refused)
+
+
+@pytest.mark.slow
+def test_onnx_int8_quantizes_the_convolutions_and_matmuls_and_passes_its_bound(demo_fit, tmp_path, capsys):
+    """ONNX Runtime's static quantization (``--format onnx --int8 true``): the convolutions read int8
+    inputs and weights, only the ops of :data:`tasks.export.onnx.INT8_OPS` hold int8 weights, the metadata is the float graph's plus ``suite.int8``, and
+    the quantized graph scores within a point of the checkpoint on the demo test split."""
+    import onnx
+
+    from tasks.export.onnx import INT8_OPS, ort_session, read_metadata
+
+    ckpt = demo_checkpoint(demo_fit, "classify", tmp_path)
+    out = export("classify", "--ckpt_path", str(ckpt), "--format", "onnx", "--int8", "true", "--calibration", "32",
+                 capsys=capsys)
+    assert "FAILED" not in out, out
+    assert any("test/top1 of the onnx int8 model" in line for line in parity_lines(out)), out
+    graph = onnx.load(str(tmp_path / "last.int8.onnx")).graph
+    dequantized = {node.output[0] for node in graph.node if node.op_type == "DequantizeLinear"}
+    convolutions = [node for node in graph.node if node.op_type == "Conv"]
+    assert convolutions and all(node.input[0] in dequantized and node.input[1] in dequantized for node in convolutions)
+    # only those ops have int8 weights: every quantized constant is read by one of them
+    constants = {tensor.name for tensor in graph.initializer}
+    int8_constants = {node.output[0] for node in graph.node
+                      if node.op_type == "DequantizeLinear" and node.input[0] in constants}
+    readers = {node.op_type for node in graph.node if int8_constants.intersection(node.input)}
+    assert readers and readers <= set(INT8_OPS), readers
+    float_meta = read_metadata(ort_session(tmp_path / "last.onnx"))
+    assert read_metadata(ort_session(tmp_path / "last.int8.onnx")) == {**float_meta, "int8": True}

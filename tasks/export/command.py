@@ -33,8 +33,8 @@ import yaml
 from datamodules.input_spec import InputSpec, resolve_preprocessing
 from configs.recipes import CommandLine, split_command_line
 from configs.tasks import declaration_of
-from tasks.export.onnx import (DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, ExportReport, ExportRequest, check_opset,
-                               ort_session, quantize_onnx, require_export_extra, session_runner)
+from tasks.export.onnx import (DEFAULT_OPSET, INT8_OPS, MAX_OPSET, MIN_OPSET, ExportReport, ExportRequest,
+                               check_opset, ort_session, quantize_onnx, require_export_extra, session_runner)
 from tasks.export.programs import FORMATS, Refused, export_program
 from tasks.export.scoring import Scorer, calibration_images, datamodule_of
 
@@ -175,9 +175,14 @@ def export_targets(job: ExportJob):
             except Refused as refusal:
                 yield refusal
                 continue
-            if job.scorer is not None and runners:
+            if job.scorer is not None and runnable(runners):
                 report.checks.append(job.scorer.check(target, int8, runners))
             yield Exported(target, int8, report, runners)
+
+
+def runnable(runners: dict) -> bool:
+    """Whether every program of a target was loaded back here (a Core ML package runs on macOS only)."""
+    return bool(runners) and all(run is not None for run in runners.values())
 
 
 def prepare_export(argv: CommandLine | Sequence[str], model_class: type, prog: str = "export") -> ExportJob:
@@ -267,7 +272,8 @@ def export_onnx_int8(exporter, request: ExportRequest, calibration: list[tuple])
         exporter.export(request)
     quantized = request.output.with_name(request.output.stem + ".int8.onnx")
     quantize_onnx(request.output, quantized, [inputs[0] for inputs in calibration])
-    report = ExportReport([quantized], [f"ONNX Runtime static quantization (QDQ, int8, per-channel weights) of "
-                                        f"{request.output.name}, calibrated on {sum(len(x[0]) for x in calibration)} "
+    report = ExportReport([quantized], [f"ONNX Runtime static quantization of {request.output.name} (QDQ around "
+                                        f"{', '.join(INT8_OPS)}: int8 activations, per-channel int8 weights; the "
+                                        f"rest float), calibrated on {sum(len(x[0]) for x in calibration)} "
                                         "training images"])
     return report, onnx_runners(report.files)
