@@ -4,7 +4,7 @@ affine (:func:`layers.transformer.group_norm_by_var_mean`: the reduction spread 
 backward under bf16 autocast, at per-device batches 4, 32 and 128 (the segmentation, detection and
 classification recipes'), on the maps MobileViTv2-1.0 normalises.
 
-The two are timed in interleaved rounds (A, B, A, B, ...), each round ``--iters`` steps between two CUDA events,
+The two are timed in interleaved rounds (A B, B A, ...: the order alternates), each round ``--iters`` steps between two CUDA events,
 and reported as the median and the spread (min-max) of the rounds, so a slow moment of the machine hits both.
 The decision it informs: ``ChannelsLastGroupNorm.statistics`` (layers/transformer.py), left at ``layer_norm``
 until this has run on a GPU.
@@ -18,13 +18,14 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from interleaved import timed_rounds  # noqa: E402
 from layers.transformer import ChannelsLastGroupNorm  # noqa: E402
 
 #: (name, H, W, C) of the maps MobileViTv2-1.0 normalises: its three transformer stages at 256 px (classification,
@@ -43,28 +44,15 @@ def step(norm: ChannelsLastGroupNorm, x: torch.Tensor, grad: torch.Tensor, autoc
 
 
 def time_rounds(norms: dict, x: torch.Tensor, grad: torch.Tensor, rounds: int, iters: int) -> dict[str, list[float]]:
-    """Milliseconds per forward+backward of each method, one value per round, the methods interleaved."""
+    """Milliseconds per forward+backward of each method, one value per round, the methods interleaved
+    (:func:`interleaved.timed_rounds`: the order alternates round by round)."""
     cuda = x.device.type == "cuda"
-    times: dict[str, list[float]] = {m: [] for m in norms}
-    for name, norm in norms.items():  # warm-up: kernels chosen, caches filled
+    for norm in norms.values():  # warm-up: kernels chosen, caches filled
         for _ in range(3):
             step(norm, x, grad, cuda)
-    for _ in range(rounds):
-        for name, norm in norms.items():
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    step(norm, x, grad, cuda)
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) / iters)
-            else:
-                began = time.perf_counter()
-                for _ in range(iters):
-                    step(norm, x, grad, cuda)
-                times[name].append((time.perf_counter() - began) * 1e3 / iters)
-    return times
+    seconds, _ = timed_rounds({name: (lambda norm=norm: step(norm, x, grad, cuda)) for name, norm in norms.items()},
+                              rounds, iters, x.device)
+    return {name: [value * 1e3 / iters for value in values] for name, values in seconds.items()}
 
 
 def compare_values(norms: dict, x: torch.Tensor, grad: torch.Tensor) -> float:

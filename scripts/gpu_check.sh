@@ -4,6 +4,9 @@
 #   bash scripts/gpu_check.sh all OUT [--tiny]     # every stage below, in order of value, <= 9 minutes on a GPU
 #   bash scripts/gpu_check.sh cli|suite|fit|micro|demo OUT [--tiny]   # one stage, in its own time box
 #   bash scripts/gpu_check.sh compile OUT          # bench_compile.py: compile cost through the CLI (~6 min)
+#   python benchmarks/gpu_suite.py --recipes paper --tasks classify --interleaved decide --interleaved-only \
+#       --interleaved-budget-s 500   # one device call per task: a paper network's six channels_last x compile
+#                                    # variants, for the recipe's model.compile decision (~25-45 s per compile)
 #
 # Stages and their time boxes on a GPU (seconds), sized from the first GPU run of these checks (an H200 with
 # 16 cores, 2026-11-27: CLI processes of 20-48 s with 4 side by side, resume cells 74-119 s,
@@ -18,11 +21,12 @@
 #              with one restart and its three uninterrupted-or-stopped fits side by side (2 process times
 #              instead of 4 in a row), loader workers only where loaders are checked, channels_last left to
 #              the fit stage (the paper recipes set it). Compiled cells come last: the budget cuts them first.
-#   suite 140  benchmarks/gpu_suite.py --budget-s 125 (+ ~15 s of imports and CUDA start-up): the paper
-#              recipes, ours beside the peer, eager then compiled; 2 s training windows, inference at the
-#              paper's protocol (10 + 50 batches of 128/128/32). At the first run's ~23 s a run, the eager
-#              share (75 s) times 3-4 runs and the compiled share (50 s) one or two; the runs' own times
-#              (build_s, warmup_s, infer_s in gpu_suite.json) say how to resize.
+#   suite 140  benchmarks/gpu_suite.py --budget-s 125 --interleaved-budget-s 90 (+ ~15 s of imports and CUDA
+#              start-up): the paper recipes. First the interleaved groups (90 s): each paper network against its
+#              peer, eager, 7 rounds x 5 steps between CUDA events, the order alternating (the check's headline;
+#              ~8 s a variant, ~16 s a pair), then its channels_last flip against the recipe's setting (compiled
+#              decision variants do not fit here: see `compile`); then single-window runs with what is left
+#              (inference at the paper's protocol).
 #   fit    85  benchmarks/gpu_fit.py --budget-s 80: the four paper recipes, 40 steps each, ~20 s a recipe
 #              (start-up ~8 s, 10 untimed + 30 timed steps); their data are built while the cli stage runs
 #   micro  20  benchmarks/gpu_groupnorm.py: MobileViTv2's GroupNorm as layer_norm vs var_mean + affine at
