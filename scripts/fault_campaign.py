@@ -689,7 +689,9 @@ def report(results: list[dict], command: str) -> str:
         lines += ["## Not identical", ""]
         for r in bad[:40]:
             f = r["fault"]
-            lines.append(f"- {f['task']} p{f['procs']} {f['kind']}:{f['n']} rank {f['rank']}: **{r['outcome']}** "
+            n = f.get("first_step", 0) if f["kind"] == "resume" else f["n"]  # resume: the step of the first kill
+            lines.append(f"- {f['task']}{' streamed' if f.get('streamed') else ''} p{f['procs']} {f['kind']}:{n} "
+                         f"rank {f['rank']}: **{r['outcome']}** "
                          f"{r['detail'][:300]}".replace("\n", " "))
         lines.append("")
     return "\n".join(lines)
