@@ -8,8 +8,9 @@ Image programs are static: ExecuTorch 1.5.1 planned the copies outside the XNNPA
 MobileViT graphs' ``_clone_dim_order``) with the traced shape, so a dynamic batch failed at run time
 ("Attempted to resize a static tensor"). They take a batch of :data:`tasks.export.programs.MAX_BATCH`
 images at the export size (``static_batch`` and ``image_size`` in the sidecar); the runner pads a
-smaller batch and splits a larger one. Translation's encoder and decoder step keep their dynamic batch
-and lengths (traced at the largest: batch 16, 127 tokens). ``--int8``: post-training static quantization in PT2E form with
+smaller batch and splits a larger one. Translation's encoder and decoder step need a dynamic batch and
+lengths, which ExecuTorch 1.5.1 does not run (the embedding outside the delegate is planned at the
+traced shape): translation is refused by name. ``--int8``: post-training static quantization in PT2E form with
 ExecuTorch's ``XNNPACKQuantizer`` (symmetric, per-channel weights), calibrated on the calibration images,
 then lowered the same way (the quantized convolutions and linears run as XNNPACK int8 kernels).
 """
@@ -43,6 +44,13 @@ def refusal(graph: ProgramGraph, exported: torch.export.ExportedProgram, int8: b
     if custom:
         return (f"the {graph.name or 'graph'} calls {', '.join(custom)}, a custom op with no ExecuTorch kernel "
                 "(it runs in Python only)")
+    if not graph.static_for_executorch:
+        # run here on the demo translator: the decoder step's embedding, outside the delegate, failed at
+        # batch 4 ("Attempted to resize a static tensor. Expected shape (16, 1, 32)"), as the image
+        # programs' input copy did before they became static
+        return (f"the {graph.name or 'graph'} takes a batch and lengths that change from call to call, and "
+                "ExecuTorch 1.5.1 plans the ops outside the XNNPACK delegate (the embedding) at the traced "
+                "shape, so any other shape fails at run time")
     return None
 
 

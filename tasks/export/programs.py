@@ -206,6 +206,9 @@ def export_program(target: str, program: TaskProgram, stem: Path, calibration: l
             except ValueError as err:  # a static program's other size: said, not compared
                 report.notes.append(f"not compared, {where}: {err}")
                 continue
+            except RuntimeError as err:  # written, but its runtime fails on it: one line, the files kept
+                raise Refused(f"{target}{' int8' if int8 else ''}: {path.name} was written but fails at run "
+                              f"time on {where} ({one_line(err)})") from err
             expected = eager(graph, inputs)
             checks = graph.checks(expected, got, where)
             if int8:  # quantized outputs are not the float ones: reported here, bounded by the score

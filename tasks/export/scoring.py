@@ -108,11 +108,19 @@ class Scorer:
 
 
 def calibration_images(datamodule, count: int) -> list[torch.Tensor]:
-    """The first ``count`` training images (as the training loader gives them), in its batches."""
+    """The first ``count`` training images as the model gets them, in the training loader's batches:
+    finished by the datamodule's ``on_after_batch_transfer`` (a classification batch leaves the loader as
+    uint8 and is normalised there)."""
     datamodule.setup("fit")
     batches, seen = [], 0
     for batch in datamodule.train_dataloader():
+        batch = datamodule.on_after_batch_transfer(batch, 0)
+        if "image" not in batch:  # a text task: no images to calibrate on (its programs refuse INT8, naming why)
+            return []
         images = batch["image"][: count - seen]
+        if not images.is_floating_point():
+            raise TypeError(f"{type(datamodule).__name__} gives {images.dtype} training images after "
+                            "on_after_batch_transfer; calibration needs the float images the model takes")
         batches.append(images)
         seen += len(images)
         if seen >= count:
