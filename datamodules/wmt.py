@@ -384,8 +384,12 @@ class TokenBatchSampler(EpochOrder, Sampler[list[int]]):
         return int(before[min(self.skipped() + batches, len(before) - 1)])
 
     def __iter__(self) -> Iterator[list[int]]:
+        # a generator: the epoch's batches are made at the first fetch, after Lightning's ``set_epoch``; a resume
+        # from a checkpoint written at an epoch's end creates the loader's iterator before it sets the next epoch,
+        # and a list made here trained that epoch on the previous epoch's batches
         skip = self.skipped() if self.shuffle else 0
-        return iter([b.tolist() for b in self.batches()[skip:]])
+        for batch in self.batches()[skip:]:
+            yield batch.tolist()
 
     def __len__(self) -> int:
         return len(self.batches())

@@ -25,7 +25,6 @@ EPOCHS = ["--trainer.max_epochs", "2", "--trainer.limit_train_batches", "3", "--
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs /work/notes/campaign2_requests.md request 4 (datamodules/wmt.py)")
 def test_translation_resumed_from_an_epoch_end_trains_the_next_epoch_on_its_own_batches(tmp_path):
     fit = ["fit", *TINY["translate"], *SHAPE_OVERRIDE["translate"], *QUIET, *EPOCHS]
     run_task("translate", *fit, "--trainer.default_root_dir", "straight", cwd=tmp_path)
