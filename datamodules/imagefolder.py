@@ -41,7 +41,7 @@ from datamodules.images import (
     predict_images,
     read_rgb,
 )
-from datamodules.classification_transforms import MixCollate, finish_on_device, train_transform
+from datamodules.classification_transforms import MixCollate, finish_on_device, normalize, train_transform
 from datamodules.input_spec import InputSpec, classification_spec, normalization
 from datamodules.loaders import (SplitLoaders, StreamedSource, check_positive_counts, check_repeated_augmentation,
                                  make_loader)
@@ -479,8 +479,8 @@ class ImageFolderDataModule(SplitLoaders, StreamedSource, LightningDataModule):
             device = batch["image"].device
             if getattr(self, "_device_stats", (None,))[0] != device:  # made once per device, not per step
                 h = self.hparams
-                trivial = all(m == 0 for m in h.mean) and all(s == 1 for s in h.std)
-                stats = (None, None) if trivial else (
+                # the float pipeline's own rule: no Normalize step for mean 0 and std 1
+                stats = (None, None) if not normalize(h.mean, h.std) else (
                     torch.as_tensor(h.mean, dtype=torch.float32, device=device).view(-1, 1, 1),
                     torch.as_tensor(h.std, dtype=torch.float32, device=device).view(-1, 1, 1))
                 self._device_stats = (device, *stats)
