@@ -339,7 +339,7 @@ class StreamedLoader(SingleThreadedWorkers, StreamingDataLoader):
 
 
 class StreamingTrainLoader(StreamedLoader):
-    """LitData's loader for training, reading the trainer's epoch.
+    """LitData's loader for training, reading the trainer's epoch at an epoch's first fetch.
 
     Its ``state_dict`` is LitData's (samples handed out this epoch, per worker, and the epoch) and goes
     into Lightning's checkpoint. On a restart within an epoch Lightning hands it back through
@@ -364,9 +364,21 @@ class StreamingTrainLoader(StreamedLoader):
             super().load_state_dict(resume)
         else:
             forget_restored_position(self)  # else the epoch after a resumed one would replay its position
-        self.dataset.epoch = self.trainer.current_epoch if self.trainer is not None else self._iterations
         self._iterations += 1
-        return super().__iter__()
+        return self._epoch(self._iterations - 1, resumed=resume is not None)
+
+    def _epoch(self, iteration: int, resumed: bool):
+        # a generator: the trainer's epoch is read at the first fetch. A resume from a checkpoint written at an
+        # epoch's end creates this iterator before Lightning counts the finished epoch, and an epoch read here
+        # shuffled the next epoch as the finished one
+        epoch = self.trainer.current_epoch if self.trainer is not None else iteration
+        self.dataset.epoch = epoch
+        if not resumed:
+            # LitData counts epochs from 1, adding one as it starts an epoch from its beginning; a resumed state
+            # holds the count. Counted from the trainer's epoch, the count in the loader's state is the
+            # uninterrupted run's, also after an epoch-end resume, where Lightning hands back no state
+            self.current_epoch = epoch
+        yield from super().__iter__()
 
 
 def streaming_loader(dataset: StreamedSplit, *, batch_size: int, num_workers: int, train: bool,

@@ -1,11 +1,13 @@
 """A kill between epochs, resumed from the ``last.ckpt`` written at the epoch's end (a recipe whose epochs do not
 end in a validation: translation validates every ``val_check_interval`` steps), goes on exactly as the
-uninterrupted run: the next epoch's batches are that epoch's own.
+uninterrupted run: the next epoch's batches are that epoch's own, and the loop's state (the loader's own state
+included) is the uninterrupted run's.
 
-Found by the fault campaign (scripts/fault_campaign.py, translate, a second kill in the first step after a resume):
-Lightning creates the training loader's iterator before it calls ``set_epoch`` on such a resume, and the token
-batch sampler made its batch list when the iterator was created, so the resumed epoch 1 trained on epoch 0's
-batches (other weights, no error).
+Found by the fault campaign (scripts/fault_campaign.py, a second kill in the first step after a resume): on such a
+resume Lightning creates the training loader's iterator before it counts the finished epoch and calls
+``set_epoch``. The token batch sampler (translation) made its batch list, and the streamed training loader
+(classification with ``--data.streaming_root``) read the trainer's epoch, when the iterator was created: the
+resumed epoch 1 trained on epoch 0's batches (other weights, no error).
 """
 from __future__ import annotations
 
@@ -24,14 +26,28 @@ EPOCHS = ["--trainer.max_epochs", "2", "--trainer.limit_train_batches", "3", "--
           "--checkpoint.every_n_train_steps", "0", "--trainer.callbacks+=tests.fault_injection.FaultInjector"]
 
 
-@pytest.mark.slow
-def test_translation_resumed_from_an_epoch_end_trains_the_next_epoch_on_its_own_batches(tmp_path):
-    fit = ["fit", *TINY["translate"], *SHAPE_OVERRIDE["translate"], *QUIET, *EPOCHS]
-    run_task("translate", *fit, "--trainer.default_root_dir", "straight", cwd=tmp_path)
-    killed = run_task("translate", *fit, "--trainer.default_root_dir", "killed", cwd=tmp_path, check=False,
+def assert_killed_between_epochs_resumes_as_uninterrupted(task: str, tmp_path, *data: str) -> None:
+    """Fit ``task`` straight, and killed before the first step of epoch 1 then resumed with ``--ckpt_path last``:
+    both last.ckpt files must be equal, tensor for tensor (weights, optimizer, loops, loader state)."""
+    fit = ["fit", *TINY[task], *SHAPE_OVERRIDE[task], *QUIET, *EPOCHS, *data]
+    run_task(task, *fit, "--trainer.default_root_dir", "straight", cwd=tmp_path)
+    killed = run_task(task, *fit, "--trainer.default_root_dir", "killed", cwd=tmp_path, check=False,
                       env={"SUITE_FAULT": "step:3"})  # SIGKILL before the first step of epoch 1
     assert killed.returncode == -9, killed.stderr[-2000:]
-    run_task("translate", *fit, "--trainer.default_root_dir", "killed", "--ckpt_path", "last", cwd=tmp_path)
+    run_task(task, *fit, "--trainer.default_root_dir", "killed", "--ckpt_path", "last", cwd=tmp_path)
     straight, resumed = tmp_path / "straight", tmp_path / "killed"
     assert fault_campaign.compare_checkpoints(straight / "checkpoints" / "last.ckpt", resumed / "checkpoints" / "last.ckpt",
                                               (str(straight), str(resumed))) == []
+
+
+@pytest.mark.slow
+def test_translation_resumed_from_an_epoch_end_trains_the_next_epoch_on_its_own_batches(tmp_path):
+    assert_killed_between_epochs_resumes_as_uninterrupted("translate", tmp_path)
+
+
+@pytest.mark.slow
+def test_streamed_classification_resumed_from_an_epoch_end_shuffles_the_next_epoch_as_its_own(tmp_path):
+    """LitData shuffles each epoch by the trainer's epoch; the loader's own epoch count (LitData restores it on a
+    later mid-epoch resume) must be the uninterrupted run's too."""
+    root = fault_campaign.optimized("classify", tmp_path)  # the demo data in LitData chunks of 16 kB
+    assert_killed_between_epochs_resumes_as_uninterrupted("classify", tmp_path, "--data.streaming_root", str(root))
