@@ -11,8 +11,9 @@ classes, as ``tasks.classify.ClassificationTask.forward``) with random weights, 
   images say nothing of accuracy),
 - ONNX Runtime float32 (CPU provider, default optimisations; torch's dynamo ONNX exporter, opset 18).
 
-Every runtime's logits are compared with eager's (max |difference| in the table). Runs are interleaved
-(eager, ExecuTorch, ..., eager, ...), so that load from other processes hits all alike, and each
+Every runtime's logits are compared with eager's (max |difference| in the table). Every model is built on
+every runtime first, then the calls are interleaved over models and runtimes, so that load from other
+processes hits the two models of a pair alike, and each
 cell gives the median and the best of ``--runs`` single calls after two warm-up calls. PyTorch and ONNX
 Runtime get ``--threads`` intra-op threads; XNNPACK's thread pool takes the machine's cores.
 
@@ -123,28 +124,43 @@ def runners(model: nn.Module, x: torch.Tensor, runtimes: list[str], workdir: Pat
     return built
 
 
-def measure(label: str, args, workdir: Path) -> dict:
-    model = build(label)
+def measure(labels: list[str], args, workdir: Path) -> list[dict]:
+    """Build every model on every runtime, then time them round-robin over (model, runtime), so that load
+    from other processes hits the two models of a pair alike and their ratio stays usable."""
     x = torch.randn(1, 3, args.size, args.size, generator=torch.Generator().manual_seed(0))
-    layout = coreml_layout(model) if args.coreml_layout else contextlib.nullcontext()
-    with layout, torch.inference_mode(False), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        built = runners(model, x, args.runtimes, workdir, args.calibration, args.threads)
-        with torch.inference_mode():
-            expected = model(x)
-            diffs = {k: (run(x) - expected).abs().max().item() for k, (run, _) in built.items()}
-            for run, _ in built.values():  # warm-up
+    built, diffs, params = {}, {}, {}
+    layouts = contextlib.ExitStack()  # eager models stay in the layout they were exported in while timed
+    for label in labels:
+        model = build(label)
+        params[label] = sum(p.numel() for p in model.parameters()) / 1e6
+        (workdir / label).mkdir()
+        if args.coreml_layout:
+            layouts.enter_context(coreml_layout(model))
+        with torch.inference_mode(False), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            built[label] = runners(model, x, args.runtimes, workdir / label, args.calibration, args.threads)
+            with torch.inference_mode():
+                expected = model(x)
+                diffs[label] = {k: (run(x) - expected).abs().max().item() for k, (run, _) in built[label].items()}
+        print(f"{label}: built", file=sys.stderr, flush=True)
+    times = {(label, k): [] for label in labels for k in built[label]}
+    with layouts, torch.inference_mode():
+        for label in labels:  # warm-up
+            for run, _ in built[label].values():
                 run(x)
-            times = {k: [] for k in built}
-            for _ in range(args.runs):
-                for k, (run, _) in built.items():
+        for _ in range(args.runs):
+            for label in labels:
+                for k, (run, _) in built[label].items():
                     start = time.perf_counter()
                     run(x)
-                    times[k].append(1e3 * (time.perf_counter() - start))
-    cells = {k: {"median": statistics.median(t), "best": min(t), "diff": diffs[k], "build_s": built[k][1]}
-             for k, t in times.items()}
-    params = sum(p.numel() for p in model.parameters()) / 1e6
-    return {"model": label, "params": params, "cells": cells}
+                    times[label, k].append(1e3 * (time.perf_counter() - start))
+    rows = []
+    for label in labels:
+        cells = {k: {"median": statistics.median(times[label, k]), "best": min(times[label, k]),
+                     "diff": diffs[label][k], "build_s": built[label][k][1]} for k in built[label]}
+        rows.append({"model": label, "params": params[label], "cells": cells})
+        print(f"{label}: " + ", ".join(f"{k} {c['median']:.1f} ms" for k, c in cells.items()), file=sys.stderr)
+    return rows
 
 
 def latency_table(rows: list[dict], runtimes: list[str]) -> str:
@@ -165,8 +181,8 @@ def latency_table(rows: list[dict], runtimes: list[str]) -> str:
 def verdict(rows: list[dict], runtimes: list[str]) -> str:
     """Per runtime and pair (v2 width / v1 size): v1 median / v2 median (> 1: v2 faster)."""
     by_label = {row["model"]: row for row in rows}
-    pairs = [(f"mobilevitv2-{w}", f"mobilevit-{s}") for w, s in PAIRS.items()
-             if f"mobilevitv2-{w}" in by_label and f"mobilevit-{s}" in by_label]
+    pairs = [(f"mobilevitv2-{w:g}", f"mobilevit-{s}") for w, s in PAIRS.items()
+             if f"mobilevitv2-{w:g}" in by_label and f"mobilevit-{s}" in by_label]
     if not pairs:
         return "No MobileViTv2 / MobileViT v1 pair was measured, so there is no ratio to report."
     lines = ["| runtime | " + " | ".join(f"{s} / {v2} (median)" for v2, s in pairs) + " | v2 faster in every pair |",
@@ -223,7 +239,7 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
     commands = list(dict.fromkeys(c for c in [*(row.get("command") for row in rows), command.strip()] if c))
     return "\n\n".join([
         f"Batch 1, {args.size}x{args.size}, random weights, {args.runs} timed calls per cell after 2 warm-up "
-        f"calls, interleaved across runtimes; {machine(args.runtimes)}.",
+        f"calls, interleaved across models and runtimes; {machine(args.runtimes)}.",
         latency_table(rows, args.runtimes),
         "v1 latency / v2 latency per pair (> 1: MobileViTv2 is faster):",
         verdict(rows, args.runtimes),
@@ -243,17 +259,13 @@ def main(argv: list[str] | None = None) -> str:
     labels += [row["model"] for row in rows if row["model"] not in labels]
     todo = [label for label in labels if label not in {row["model"] for row in rows}]
     with tempfile.TemporaryDirectory() as tmp:
-        for label in [*todo, None]:
-            if label is not None:
-                (Path(tmp) / label).mkdir()
-                rows.append({**measure(label, args, Path(tmp) / label), "command": command})
-                print(f"{label}: " + ", ".join(f"{k} {c['median']:.1f} ms" for k, c in rows[-1]["cells"].items()),
-                      file=sys.stderr, flush=True)
-            rows.sort(key=lambda row: labels.index(row["model"]))
-            report = render(rows, args, command)
-            if args.out:  # after every model, so that a long run leaves what it measured
-                args.out.write_text(report + "\n")
-                args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+        if todo:
+            rows += [{**row, "command": command} for row in measure(todo, args, Path(tmp))]
+    rows.sort(key=lambda row: labels.index(row["model"]))
+    report = render(rows, args, command)
+    if args.out:
+        args.out.write_text(report + "\n")
+        args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     print(report)
     return report
 

@@ -38,6 +38,11 @@ def test_pairs_give_the_v1_over_v2_ratio():
     assert "| eager PyTorch | 1.50 | yes |" in table
     table = bench.verdict([row("mobilevitv2-0.5", 10.0), row("mobilevit-xxs", 8.0)], ["eager"])
     assert "| eager PyTorch | 0.80 | no |" in table
+    # the labels main() builds: width 1.0 is "mobilevitv2-1", and it still pairs with S
+    labels = [row(f"mobilevitv2-{w:g}", 10.0) for w in (0.5, 0.75, 1.0)] + [row(f"mobilevit-{s}", 20.0)
+                                                                          for s in ("xxs", "xs", "s")]
+    table = bench.verdict(labels, ["eager"])
+    assert "mobilevit-s / mobilevitv2-1 (median)" in table and "| eager PyTorch | 2.00 | 2.00 | 2.00 | yes |" in table
 
 
 def test_merge_joins_the_rows_of_runs_made_side_by_side_without_measuring_again(tmp_path):
@@ -61,7 +66,7 @@ def test_every_runtime_gives_eager_logits(tmp_path):
     pytest.importorskip("executorch")
     pytest.importorskip("onnxruntime")
     args = bench.parse_args(["--runs", "1", "--size", "64", "--calibration", "2"])
-    cells = bench.measure("mobilevitv2-0.5", args, tmp_path)["cells"]
+    cells = bench.measure(["mobilevitv2-0.5"], args, tmp_path)[0]["cells"]
     assert set(cells) == set(bench.RUNTIMES)
     assert cells["eager"]["diff"] == 0
     assert cells["executorch"]["diff"] < 1e-3 and cells["onnx"]["diff"] < 1e-3
