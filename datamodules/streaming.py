@@ -353,13 +353,22 @@ class StreamingTrainLoader(StreamedLoader):
         super().__init__(dataset, **kwargs)
         self.trainer = trainer
         self._resume: dict | None = None
+        #: the state handed back, until the iteration it was given to fetches its first batch
+        self._restored: dict | None = None
         self._iterations = 0
 
     def load_state_dict(self, state: dict) -> None:
         self._resume = state
 
+    def state_dict(self) -> dict:
+        # LitData restores its counters (the dataset's epoch, the next worker) as the iteration starts: before
+        # that its state_dict is not the state handed back. A resume after an epoch's last step, before its end
+        # was checkpointed, fetches no batch, and its checkpoints would hold other counters than the run's
+        return self._restored if self._restored is not None else super().state_dict()
+
     def __iter__(self):
         resume, self._resume = self._resume, None
+        self._restored = resume
         if resume is not None:
             super().load_state_dict(resume)
         else:
@@ -371,6 +380,7 @@ class StreamingTrainLoader(StreamedLoader):
         # a generator: the trainer's epoch is read at the first fetch. A resume from a checkpoint written at an
         # epoch's end creates this iterator before Lightning counts the finished epoch, and an epoch read here
         # shuffled the next epoch as the finished one
+        self._restored = None
         epoch = self.trainer.current_epoch if self.trainer is not None else iteration
         self.dataset.epoch = epoch
         if not resumed:
