@@ -6,6 +6,7 @@ demo fits) is built once for all workers: the first worker that needs it builds 
 in the run's shared temporary folder, the others wait and read it."""
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import pickle
@@ -70,12 +71,36 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+_zygotes: list = []
+
+
+def cli_zygote(env: dict[str, str]):
+    """This pytest process's CLI fork server (started on first use), or None where ``env`` needs a fresh
+    process (tests/cli_zygote.py::can_fork_for) or ``SUITE_TEST_FRESH_PROCESSES=1`` asks for one."""
+    from tests.cli_zygote import Zygote, can_fork_for
+
+    if os.environ.get("SUITE_TEST_FRESH_PROCESSES", "") not in ("", "0"):
+        return None
+    if not _zygotes or not _zygotes[-1].alive():
+        _zygotes.append(Zygote(clean_env()))
+        atexit.register(_zygotes[-1].close)
+    return _zygotes[-1] if can_fork_for(env, _zygotes[-1].env) else None
+
+
 def run_task(task: str, *args: str, cwd: Path, check: bool = True, timeout: float = 600, input: str | None = None,
              env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m tasks.<task> *args`` in ``cwd`` with :func:`clean_env`; a non-zero exit fails
-    the test with the end of the output (``check=False`` returns it instead)."""
-    proc = subprocess.run([sys.executable, "-m", f"tasks.{task}", *args], cwd=cwd, env=clean_env(**(env or {})),
-                          capture_output=True, text=True, timeout=timeout, input=input)
+    the test with the end of the output (``check=False`` returns it instead).
+
+    The run is a fork of a server that has imported the suite already (tests/cli_zygote.py) when its
+    environment allows it, else a fresh subprocess (always with ``SUITE_TEST_FRESH_PROCESSES=1``)."""
+    run_env = clean_env(**(env or {}))
+    zygote = cli_zygote(run_env)
+    if zygote is not None:
+        proc = zygote.run(["-m", f"tasks.{task}", *args], cwd=cwd, env=run_env, timeout=timeout, input=input)
+    else:
+        proc = subprocess.run([sys.executable, "-m", f"tasks.{task}", *args], cwd=cwd, env=run_env,
+                              capture_output=True, text=True, timeout=timeout, input=input)
     if check and proc.returncode != 0:
         pytest.fail(f"tasks.{task} {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
                     f"\n--- stderr\n{proc.stderr[-6000:]}")
