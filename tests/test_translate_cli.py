@@ -20,31 +20,20 @@ TINY = ["--model.dim", "32", "--model.encoder_depth", "1", "--model.decoder_dept
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory, demo_cache):
     """One short fit shared by the tests below: (run directory, last checkpoint)."""
-    import subprocess
-    import sys
-
-    from tests.conftest import clean_env
+    from tests.conftest import run_task
 
     cwd = tmp_path_factory.mktemp("translate-fit")
-    proc = subprocess.run([sys.executable, "-m", "tasks.translate", "fit", *TINY, "--trainer.max_steps", "4",
-                           "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "4"],
-                          cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    proc = run_task("translate", "fit", *TINY, "--trainer.max_steps", "4", "--trainer.limit_val_batches", "1",
+                    "--trainer.val_check_interval", "4", cwd=cwd)
     root = cwd / "runs" / "translate"
     last = next(root.rglob("last.ckpt"))
     return cwd, root, last, proc
 
 
 def run_in(cwd: Path, *args: str, stdin: str | None = None):
-    import subprocess
-    import sys
+    from tests.conftest import run_task
 
-    from tests.conftest import clean_env
-
-    proc = subprocess.run([sys.executable, "-m", "tasks.translate", *args], cwd=cwd, env=clean_env(), input=stdin,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
+    return run_task("translate", *args, cwd=cwd, input=stdin)
 
 
 def test_fit_checkpoints_on_bleu_and_logs_the_linked_vocabulary(fitted):
