@@ -14,6 +14,8 @@ Points (``n`` counts from 0 over the whole run, on the rank ``rank``, default 0)
 - ``rename:n``      after the ``n``-th checkpoint's bytes are written and synced, before they replace the old file;
 - ``ema:n``         on entering the ``n``-th EMA update (the average's ``update_parameters``);
 - ``allreduce:n``   on entering the ``n``-th ``torch.distributed.all_reduce`` of the process (its peers wait in it);
+- ``rendezvous:n``  on entering the ``n``-th ``torch.distributed.init_process_group`` of the rank (the process
+  group's rendezvous, before any callback's ``setup``: its peers wait in it; rank 0 hosts its TCPStore);
 - ``resume:0``      inside the first optimizer step after a resume (``--ckpt_path``), after its backward;
 - ``test_output:n`` during `test`'s writers, after the first ``n`` output callbacks (tasks.outputs) have written;
 - ``worker:n``      before step ``n``, one of the process's loader workers is SIGKILLed (what the OOM killer does
@@ -34,8 +36,8 @@ from lightning.pytorch import Callback
 
 from layers.compat import weight_averaging_model
 
-POINTS = ("step", "backward", "optimizer", "validation", "checkpoint", "rename", "ema", "allreduce", "resume",
-          "test_output", "worker")
+POINTS = ("step", "backward", "optimizer", "validation", "checkpoint", "rename", "ema", "allreduce", "rendezvous",
+          "resume", "test_output", "worker")
 
 
 def parse_fault(text: str) -> tuple[str, int, int]:
@@ -61,6 +63,7 @@ class FaultInjector(Callback):
         self.counts = dict.fromkeys(POINTS, 0)
         self.armed = False  # this process is the rank the fault is meant for
         self._resumed = False
+        self._wrap_rendezvous()  # built before `fit`: the rendezvous comes before any hook
 
     # -- counting and firing ---------------------------------------------------------------------------------
     def reached(self, point: str) -> None:
@@ -168,6 +171,24 @@ class FaultInjector(Callback):
 
         counted_all_reduce._fault_wrapped = True
         dist.all_reduce = counted_all_reduce
+
+
+    def _wrap_rendezvous(self) -> None:
+        import torch.distributed as dist
+
+        if getattr(dist.init_process_group, "_fault_wrapped", False):
+            return
+        init_process_group = dist.init_process_group
+
+        def counted_init_process_group(*args, **kwargs):
+            # the rank comes with the call (Lightning passes it): `armed` is only known at `setup`, after this
+            if self.point == "rendezvous" and kwargs.get("rank") == self.rank and self.counts["rendezvous"] == self.n:
+                die()
+            self.counts["rendezvous"] += 1
+            return init_process_group(*args, **kwargs)
+
+        counted_init_process_group._fault_wrapped = True
+        dist.init_process_group = counted_init_process_group
 
 
 def loader_workers() -> list[int]:

@@ -52,6 +52,42 @@ def test_a_killed_rank_stops_the_other_within_the_bound_with_the_resume_command(
         assert_resumed_equals_straight(tmp_path, steps=6)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_killed_inside_the_rendezvous_stops_the_other_within_the_bound(tmp_path, rank):
+    """The fault campaign's round-three hang: a rank killed inside ``init_process_group`` (rank 0 hosts its TCPStore,
+    rank 1 waits there for it) left the other waiting for the process group's 10-minute timeout, since the peer
+    watch started only at the callbacks' ``setup``, after the rendezvous. The suite's ``ddp`` strategy now starts it
+    before; the survivor stops within the bound, saying that there is nothing to resume yet."""
+    code, info, log = fit(tmp_path, "run", fault=f"rendezvous:0:{rank}")
+    assert "hang" not in info, log[-3000:]
+    assert info["all_gone"] - info["first_death"] <= PEER_BOUND_S, info
+    if rank == 1:  # the launcher's own exit code is the survivor's (0's PeerWatch before Lightning's observer's kill)
+        assert code == 1, log[-3000:]
+    assert f"rank {1 - rank}: stopping, another process of this run is gone" in log, log[-3000:]
+    assert "no last.ckpt yet: the run starts again from its beginning" in log
+    assert not list((tmp_path / "run").glob("checkpoints/*"))
+
+
+@pytest.mark.slow
+def test_a_resume_killed_inside_the_rendezvous_prints_the_resume_command(tmp_path):
+    """A resumed fit whose rank 0 dies inside the rendezvous: rank 1 stops within the bound, prints the command
+    that resumes, and the ``last.ckpt`` it names is the one the killed run left, untouched."""
+    code, info, log = fit(tmp_path, "run", fault="step:2:1")
+    assert code != 0 and "hang" not in info, log[-3000:]
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+    code, info, log = fit(tmp_path, "run", "--ckpt_path", "last", fault="rendezvous:0:0")
+    assert "hang" not in info, log[-3000:]
+    assert info["all_gone"] - info["first_death"] <= PEER_BOUND_S, info
+    assert "rank 1: stopping, another process of this run is gone" in log, log[-3000:]
+    resume = log.split("resume with:")[1].splitlines()[0].split()
+    assert resume[:3] == ["python", "-m", "tasks.classify"] and resume[-4:] == [
+        "--trainer.default_root_dir", str(tmp_path / "run"), "--ckpt_path", "last"]
+    assert last.read_bytes() == before
+    assert not [p.name for p in last.parent.iterdir() if ".tmp-" in p.name]
+
+
 def test_ddp_and_fsdp_get_torchs_nccl_timeout_for_their_collectives():
     """``--trainer.strategy ddp`` / ``fsdp``: a collective waits for a dead peer on another node as long as torch's
     own NCCL default (not Lightning's 30 minutes for every backend); other strategy values are left alone."""
@@ -66,7 +102,7 @@ def test_ddp_and_fsdp_get_torchs_nccl_timeout_for_their_collectives():
     if default_pg_nccl_timeout is not None:  # a torch built with NCCL
         assert COLLECTIVE_TIMEOUT == default_pg_nccl_timeout
     ddp, fsdp = sharded_strategy("ddp"), sharded_strategy("fsdp")
-    assert type(ddp) is DDPStrategy and ddp._timeout == COLLECTIVE_TIMEOUT
+    assert isinstance(ddp, DDPStrategy) and ddp._timeout == COLLECTIVE_TIMEOUT
     assert isinstance(fsdp, FullyShardedStrategy) and fsdp._timeout == COLLECTIVE_TIMEOUT
     assert sharded_strategy("ddp_spawn") == "ddp_spawn" and sharded_strategy("auto") == "auto"
 

@@ -20,7 +20,9 @@ A rank that dies without a signal to catch (SIGKILL, the OOM killer, a segfault)
 waiting in their next collective: gloo sees the closed connection within seconds, but NCCL waits for the
 process group's timeout (Lightning gives DDP 30 minutes). So under several processes a :class:`PeerWatch`
 thread on each rank watches the ranks this process depends on on its node: rank 0 watches the ranks
-Lightning's launcher started, the others watch the process that started them. When one is gone,
+Lightning's launcher started, the others watch the process that started them. Under the suite's ``ddp`` and
+``fsdp`` strategies it starts before the process group's rendezvous, where a dead rank would otherwise leave the
+others waiting for the group's timeout (:func:`tasks.cli.sharding.watch_peers_before_rendezvous`). When one is gone,
 the rank prints where the run stands and the command that resumes it, and exits with code 1 at once, from
 inside any collective; it writes nothing (``last.ckpt`` is only ever replaced whole). Ranks on other nodes
 are their launcher's to stop (``srun`` ends a step whose task failed, ``torchrun`` its other workers).
@@ -42,6 +44,9 @@ from tasks.cli.last_checkpoint import validation_or_epoch_end_follows
 
 #: signals that stop `fit` unless the recipe names others (`--preemption.signals`)
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+#: the pid of the process whose Lightning launcher starts this node's other ranks, in their environment: a rank it
+#: started watches that process even if it died before the watch started (during the rank's imports)
+LAUNCHER_PID = "SUITE_LAUNCHER_PID"
 
 
 class Preempted(SIGTERMException):
@@ -67,9 +72,19 @@ class Preemption(Callback):
         self.resume_command: str | None = None
         self._step_checked = -1
         self._watch: PeerWatch | None = None
+        if "LOCAL_RANK" not in os.environ:  # a process Lightning's launcher may make rank 0 (it gives its ranks one)
+            os.environ[LAUNCHER_PID] = str(os.getpid())
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and trainer.world_size > 1 and self._watch is None:
+        # the suite's DDP and FSDP strategies started the watch already, before their rendezvous
+        if stage == "fit" and trainer.world_size > 1:
+            self.watch_peers(trainer)
+
+    def watch_peers(self, trainer: Trainer) -> None:
+        """Start watching the processes this rank depends on, once per fit. The suite's strategies call this from
+        ``setup_environment``, before the process group forms: a rank killed inside the rendezvous would leave
+        the others in it until the group's timeout (Lightning calls :meth:`setup` only after the rendezvous)."""
+        if self._watch is None:
             self._watch = PeerWatch.for_trainer(trainer, lambda why: self.peer_summary(trainer, why))
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -214,7 +229,7 @@ class PeerWatch(threading.Thread):
     def for_trainer(cls, trainer: Trainer, summary) -> "PeerWatch | None":
         """A started watch for this rank of ``trainer``'s run, ``None`` when there is nothing to watch."""
         children = list(getattr(trainer.strategy.launcher, "procs", None) or [])
-        parent = os.getppid() if not children and int(os.environ.get("LOCAL_RANK", "0")) > 0 else None
+        parent = launcher_pid() if not children and int(os.environ.get("LOCAL_RANK", "0")) > 0 else None
         if not children and parent in (None, 1):
             return None
         watch = cls(children, parent, summary)
@@ -240,6 +255,16 @@ class PeerWatch(threading.Thread):
                     print(self.summary(why), file=sys.stderr, flush=True)
                 finally:
                     os._exit(1)  # the main thread may sit in a collective that never returns
+
+
+def launcher_pid() -> int:
+    """The process that started this rank: the Lightning launcher's rank 0 (:data:`LAUNCHER_PID`, which it set
+    before starting the others, so a rank whose parent died during its imports knows it), else the parent
+    (``torchrun``'s agent, whose workers inherit no pid of ours)."""
+    given = os.environ.get(LAUNCHER_PID)
+    if given and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return int(given)
+    return os.getppid()
 
 
 def _signal(name: str | int) -> signal.Signals:

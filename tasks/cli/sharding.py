@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 #: what ``--trainer.strategy`` says for sharded training
@@ -78,6 +78,7 @@ class FullyShardedStrategy(ModelParallelStrategy):
         # every rank of every node is one data-parallel shard (ModelParallelStrategy's "auto" would make
         # the ranks of a node a tensor-parallel group)
         self._data_parallel_size = self.num_nodes * self.num_processes
+        watch_peers_before_rendezvous(self)
         super().setup_environment()
 
     def setup(self, trainer) -> None:
@@ -289,14 +290,37 @@ def check_sharding(subcommand: str | None, config) -> None:
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
+def watch_peers_before_rendezvous(strategy: ParallelStrategy) -> None:
+    """Start the fit's :class:`tasks.cli.preemption.PeerWatch` from ``strategy.setup_environment``, before the
+    process group's rendezvous: a rank killed inside ``init_process_group`` would otherwise leave the others in
+    it until :data:`COLLECTIVE_TIMEOUT`, since Lightning calls the callbacks' ``setup`` only after it. Lightning's
+    launcher has started this node's other ranks by then (``launcher.procs`` on rank 0, ``LOCAL_RANK`` on the
+    others), which is what the watch follows."""
+    from tasks.cli.preemption import Preemption
+
+    trainer = strategy.lightning_module.trainer
+    if trainer.state.fn != TrainerFn.FITTING or strategy.num_nodes * strategy.num_processes < 2:
+        return
+    for callback in trainer.callbacks:
+        if isinstance(callback, Preemption):
+            callback.watch_peers(trainer)
+
+
+class WatchedDDPStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy`` whose fit watches its peer ranks from before the rendezvous
+    (:func:`watch_peers_before_rendezvous`)."""
+
+    def setup_environment(self) -> None:
+        watch_peers_before_rendezvous(self)
+        super().setup_environment()
+
+
 def sharded_strategy(strategy: Any) -> Any:
     """The strategy the Trainer gets for a ``trainer.strategy`` value: ``fsdp`` becomes a
-    :class:`FullyShardedStrategy` and ``ddp`` Lightning's ``DDPStrategy``, both with
-    :data:`COLLECTIVE_TIMEOUT`; anything else is returned as it is."""
+    :class:`FullyShardedStrategy` and ``ddp`` a :class:`WatchedDDPStrategy`, both with :data:`COLLECTIVE_TIMEOUT`
+    and watching their peers from before the rendezvous; anything else is returned as it is."""
     if strategy == FSDP:
         return FullyShardedStrategy(timeout=COLLECTIVE_TIMEOUT)
     if strategy == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
-
-        return DDPStrategy(timeout=COLLECTIVE_TIMEOUT)
+        return WatchedDDPStrategy(timeout=COLLECTIVE_TIMEOUT)
     return strategy
