@@ -53,13 +53,13 @@ def test_a_killed_rank_stops_the_other_within_the_bound_with_the_resume_command(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rank", [0, 1])
-def test_a_rank_killed_inside_the_rendezvous_stops_the_other_within_the_bound(tmp_path, rank):
+@pytest.mark.parametrize("strategy, rank", [("ddp", 0), ("ddp", 1), ("fsdp", 0)])
+def test_a_rank_killed_inside_the_rendezvous_stops_the_other_within_the_bound(tmp_path, strategy, rank):
     """The fault campaign's round-three hang: a rank killed inside ``init_process_group`` (rank 0 hosts its TCPStore,
     rank 1 waits there for it) left the other waiting for the process group's 10-minute timeout, since the peer
-    watch started only at the callbacks' ``setup``, after the rendezvous. The suite's ``ddp`` strategy now starts it
-    before; the survivor stops within the bound, saying that there is nothing to resume yet."""
-    code, info, log = fit(tmp_path, "run", fault=f"rendezvous:0:{rank}")
+    watch started only at the callbacks' ``setup``, after the rendezvous. The suite's ``ddp`` and ``fsdp`` strategies
+    now start it before; the survivor stops within the bound, saying that there is nothing to resume yet."""
+    code, info, log = fit(tmp_path, "run", "--trainer.strategy", strategy, fault=f"rendezvous:0:{rank}")
     assert "hang" not in info, log[-3000:]
     assert info["all_gone"] - info["first_death"] <= PEER_BOUND_S, info
     if rank == 1:  # the launcher's own exit code is the survivor's (0's PeerWatch before Lightning's observer's kill)
