@@ -63,7 +63,9 @@ def clean_env(**extra: str) -> dict[str, str]:
            if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
                         "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS",
                         # an in-process CLI run's thread plan: a subprocess must make its own
-                        "SUITE_PLANNED_THREADS", "PL_SEED_WORKERS")}
+                        "SUITE_PLANNED_THREADS", "PL_SEED_WORKERS",
+                        # an in-process CLI's pid for the ranks it launches (tasks/cli/preemption.py)
+                        "SUITE_LAUNCHER_PID")}
     env.update({"WANDB_MODE": "offline", "NO_ALBUMENTATIONS_UPDATE": "1", "WANDB_SILENT": "true",
                 "SUITE_OFFLINE": env.get("SUITE_OFFLINE", "1"),
                 "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2")})

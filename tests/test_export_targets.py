@@ -164,8 +164,10 @@ def test_every_format_passes_parity_or_is_refused_by_name(task, demo_fit, tmp_pa
     if task != "translate":
         assert "executorch" in written
     assert all("coreml" in line or "executorch" in line for line in refused), refused
-    # Core ML: converted here (not run), or refused naming why
-    assert (tmp_path / "last.mlpackage").exists() or any("coreml" in line for line in refused)
+    # Core ML: converted here (not run; translation's two graphs, one package each), or refused naming why
+    packages = sorted(path.name for path in tmp_path.glob("*.mlpackage"))
+    expected = ["last.decoder_step.mlpackage", "last.encoder.mlpackage"] if task == "translate" else ["last.mlpackage"]
+    assert packages == expected or any("coreml" in line for line in refused), packages
 
 
 @pytest.mark.slow
