@@ -153,7 +153,6 @@ def become(request: dict) -> None:
     random.seed()  # a fresh process draws its own seed (Lightning's seed_everything(None) uses random)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     module, *args = request["argv"][1:] if request["argv"][0] == "-m" else request["argv"]
     # a fresh ``python -m`` has not imported the module it runs: the server's copy goes, so that an import of
     # it during the run (a checkpoint's class path) makes a second copy as it would there
