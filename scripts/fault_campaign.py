@@ -4,7 +4,8 @@ For each task and process count (a *cell*) the campaign fits the task's demo rec
 without a fault (the reference: 2 epochs of 3 steps, a validation each, ``last.ckpt`` every step, EMA
 weights), then many times with one SIGKILL at a point drawn from the reference's own count of that point
 (tests/fault_injection.py: inside a checkpoint write, before its rename, inside a validation, an all-reduce,
-an EMA update, a backward, the first step after a resume, or at a random time over the whole run), and
+the process group's rendezvous, an EMA update, a backward, the first step after a resume, or at a random time
+over the whole run), and
 resumes each with ``--ckpt_path last``. Each fault ends in one outcome:
 
 - ``identical``: the resumed run's ``last.ckpt`` equals the reference's bit for bit: EMA weights (its
@@ -58,8 +59,8 @@ sys.path.insert(0, str(REPO))
 
 TASKS = ("classify", "detect", "segment", "translate")
 #: the points drawn per cell (tests/fault_injection.py); "time" is a SIGKILL from outside at a random moment
-KINDS = ("step", "backward", "optimizer", "validation", "checkpoint", "rename", "ema", "allreduce", "resume",
-         "time", "test_output")
+KINDS = ("step", "backward", "optimizer", "validation", "checkpoint", "rename", "ema", "allreduce", "rendezvous",
+         "resume", "time", "test_output")
 #: a surviving rank must be gone this long after its peer died (issue 50: 60 s or less)
 PEER_BOUND_S = 60.0
 
