@@ -26,6 +26,22 @@ os.environ.setdefault("SUITE_OFFLINE", "1")  # registered weights are never down
 REPO = Path(__file__).resolve().parents[1]
 
 
+def cli_threads() -> int:
+    """Torch threads for a CLI run of the tests, and for a pytest-xdist worker itself: the cores shared out over
+    the workers (2 cores, ``-n 2``: 1 each), so that two runs side by side never hold more threads than cores.
+    OpenMP threads that wait at a barrier for a descheduled peer spin: with 2 threads per run under ``-n 2``
+    the same four test files took 1.4x the wall time and 1.8x the CPU time (benchmarks/RESULTS.md, "Test run").
+    ``OMP_NUM_THREADS`` set by the caller wins."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    import torch
+
+    torch.set_num_threads(cli_threads())
+
+
 def session_folder(tmp_path_factory) -> Path:
     """The test run's temporary folder, the same for every pytest-xdist worker."""
     base = tmp_path_factory.getbasetemp()
@@ -68,7 +84,7 @@ def clean_env(**extra: str) -> dict[str, str]:
                         "SUITE_LAUNCHER_PID")}
     env.update({"WANDB_MODE": "offline", "NO_ALBUMENTATIONS_UPDATE": "1", "WANDB_SILENT": "true",
                 "SUITE_OFFLINE": env.get("SUITE_OFFLINE", "1"),
-                "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2")})
+                "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", str(cli_threads()))})
     env.update(extra)
     return env
 
