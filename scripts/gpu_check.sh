@@ -2,7 +2,7 @@
 # The device checks of a lent GPU machine, sized for its calls (10 minutes each at most).
 #
 #   bash scripts/gpu_check.sh all OUT [--tiny]     # every stage below, in order of value, <= 9 minutes on a GPU
-#   bash scripts/gpu_check.sh cli|suite|fit|micro|demo OUT [--tiny]   # one stage, in its own time box
+#   bash scripts/gpu_check.sh cli|suite|fit|micro|nccl|demo OUT [--tiny]   # one stage, in its own time box
 #   bash scripts/gpu_check.sh compile OUT          # bench_compile.py: compile cost through the CLI (~6 min)
 #   python benchmarks/gpu_suite.py --recipes paper --tasks classify --interleaved decide --interleaved-only \
 #       --interleaved-budget-s 500   # one device call per task: a paper network's six channels_last x compile
@@ -31,15 +31,23 @@
 #              (start-up ~8 s, 10 untimed + 30 timed steps); their data are built while the cli stage runs
 #   micro  20  benchmarks/gpu_groupnorm.py: MobileViTv2's GroupNorm as layer_norm vs var_mean + affine at
 #              batches 4/32/128, interleaved rounds timed with CUDA events (~10 s after ~5 s of imports)
-#   demo   65  benchmarks/gpu_fit.py --demo 50: `python -m tasks.detect fit`, alone, 50 s of fitting after
-#              ~10 s of start-up; its it/s beside the 2-core CPU's (CPU_DEMO below)
+#   nccl   25  benchmarks/gpu_nccl.py --budget-s 20: what README's "A rank that dies" relies on. A one-rank
+#              `python -m tasks.classify fit --trainer.strategy ddp` whose process group must be nccl with
+#              COLLECTIVE_TIMEOUT (tasks/cli/sharding.py), beside two children whose all_reduce is stuck past a
+#              3 s timeout behind a spinning kernel: with TORCH_NCCL_ASYNC_ERROR_HANDLING unset (torch's default)
+#              the watchdog must end one, non-zero, with its timeout line; with 0 the other must keep running.
+#              An estimate until a GPU has run it: ~15 s (the fit's start-up; the children queue at ~6 s).
+#   demo   40  benchmarks/gpu_fit.py --demo 28: `python -m tasks.detect fit`, alone, 28 s of fitting after
+#              ~10 s of start-up (50 s before the nccl stage took 25 s of its box); its it/s beside the 2-core
+#              CPU's (CPU_DEMO below)
 #   total 540 s <= 540. Every stage writes its files as it goes and stops at its box, so a cut run still
 #   reports what finished; a stage never runs past what is left of the 540 s.
 #
 # OUT holds at most 8 files, none in a folder: summary.md (the headline rows that did not run, if any; the
 # machine, each stage's box and seconds, then every table), all.log (everything printed), gpu_cli.json,
 # gpu_suite.json, gpu_fit.json, demo.json, gpu_groupnorm.json, failed_cells.log (the end of each failed CLI
-# cell's log; only if one failed). Run folders stay in /tmp.
+# cell's log; only if one failed). The nccl stage's report is its table in summary.md and its JSON in all.log
+# (TABLE_ONLY: a ninth file would pass the device's limit). Run folders stay in /tmp.
 #
 # Headline rows: each paper recipe's eager ours-vs-peer pair of the suite stage, each paper-recipe fit, the demo.
 # One that did not run (skipped, cut by a budget, an error; a peer with no equivalent of the recipe aside)
@@ -52,7 +60,7 @@
 # `bash scripts/device_wheels.sh .whl` where PyPI is reachable and carry .whl along: this script
 # installs what it finds there into /tmp/site.
 set -uo pipefail
-stage=${1:?all, cli, suite, fit, micro, demo or compile}
+stage=${1:?all, cli, suite, fit, micro, nccl, demo or compile}
 out=${2:-benchmarks/gpu_results}
 tiny=""
 if [[ "${3:-}" == "--tiny" ]]; then tiny="--tiny"; fi
@@ -83,15 +91,15 @@ mapfile -t task_list < <(python3 -c "from configs.tasks import task_names; print
 
 if [[ -n "$tiny" ]]; then
   accelerator=cpu; total=${GPU_CHECK_TOTAL_S:-100000}
-  cli_box=100000 suite_box=100000 fit_box=100000 micro_box=100000 demo_box=100000 demo_s=10
-  cli_budget=0 suite_budget=0 fit_budget=0
+  cli_box=100000 suite_box=100000 fit_box=100000 micro_box=100000 nccl_box=100000 demo_box=100000 demo_s=10
+  cli_budget=0 suite_budget=0 fit_budget=0 nccl_budget=0
   suite_flags=(--tiny --tasks "${task_list[@]}" --recipes paper --precisions bf16-mixed)
   headline_flags=(--allow-missing-peers)  # a peer library this CPU machine lacks is no failure of the smoke run
   machine="CPU smoke run (--tiny): $(nproc) cores"
 else
   accelerator=gpu
-  cli_box=215 suite_box=140 fit_box=85 micro_box=20 demo_box=65 demo_s=50
-  cli_budget=205 suite_budget=125 fit_budget=80
+  cli_box=215 suite_box=140 fit_box=85 micro_box=20 nccl_box=25 demo_box=40 demo_s=28
+  cli_budget=205 suite_budget=125 fit_budget=80 nccl_budget=20
   suite_flags=(--recipes paper --precisions bf16-mixed --channels-last recipe --compile off regional network
                --interleaved-budget-s 90)  # the interleaved pairs are the headline: ~16 s each at ~8 s a variant
   headline_flags=()
@@ -128,8 +136,11 @@ headline_check() {
   python3 benchmarks/gpu_headline.py "$out" "$work/headline.md" "$stage" "${headline_flags[@]}"
 }
 
+#: the stages whose JSON stays out of OUT: their table in the summary and their log say it all
+TABLE_ONLY=" nccl "
+
 # run_stage NAME BOX FOLDER COMMAND...: runs COMMAND (writing into FOLDER) in its box, then copies FOLDER's
-# JSON into OUT and its Markdown into the summary
+# JSON into OUT (but for TABLE_ONLY stages) and its Markdown into the summary
 run_stage() {
   local name=$1 box_s; box_s=$(box "$2"); local folder=$3; shift 3
   local began=$SECONDS
@@ -139,7 +150,7 @@ run_stage() {
   local rc=${PIPESTATUS[0]}
   local label=$box_s; [[ -n "$tiny" ]] && label="none"
   echo "| $name | $label | $(( SECONDS - began )) | $rc$( (( rc == 124 || rc == 137 )) && echo ' (box)') |" >> "$work/stages.md"
-  for f in "$folder"/*.json; do [[ -e "$f" ]] && cp "$f" "$out/"; done
+  [[ "$TABLE_ONLY" == *" $name "* ]] || for f in "$folder"/*.json; do [[ -e "$f" ]] && cp "$f" "$out/"; done
   for f in "$folder"/*.md; do [[ -e "$f" ]] && { echo; echo "## $name: $(basename "$f")"; echo; cat "$f"; } >> "$work/tables.md"; done
   write_summary
   return "$rc"
@@ -181,6 +192,10 @@ fit() {
 micro() {
   run_stage micro "$micro_box" "$work/micro" python3 benchmarks/gpu_groupnorm.py $tiny --out "$work/micro"
 }
+nccl() {
+  run_stage nccl "$nccl_box" "$work/nccl" python3 benchmarks/gpu_nccl.py $tiny --budget-s "$nccl_budget" \
+    --work "$work/nccl/work" --output "$work/nccl"
+}
 demo() {
   local accel=()
   [[ -n "$tiny" ]] && accel=(--accelerator cpu)
@@ -200,16 +215,18 @@ case "$stage" in
     wait "$builder" || { echo "building the fit stage's data failed:"; tail -20 "$work/build.log"; } | tee -a "$log"
     fit || status=1
     micro || status=1
+    nccl || status=1
     demo || status=1 ;;
   cli) cli || status=1 ;;
   suite) suite || status=1 ;;
   fit) build_data; fit || status=1 ;;
   demo) demo || status=1 ;;
   micro) micro || status=1 ;;
+  nccl) nccl || status=1 ;;
   compile)
     run_stage compile 600 "$work/compile" python3 benchmarks/bench_compile.py --accelerator gpu --precision bf16-mixed \
       --max-epochs 1 --tasks "${task_list[@]}" --output "$work/compile/results_compile.md" || status=1 ;;
-  *) echo "unknown stage $stage: all, cli, suite, fit, micro, demo or compile" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: all, cli, suite, fit, micro, nccl, demo or compile" >&2; exit 2 ;;
 esac
 (( setup_rc == 0 )) || status=1
 headline_check | tee -a "$log"

@@ -26,14 +26,14 @@ def gpu_setting(name: str) -> int:
 
 def test_the_stage_boxes_add_up_to_at_most_nine_minutes():
     assert f"total=${{GPU_CHECK_TOTAL_S:-{TOTAL_S}}}" in SCRIPT.read_text()
-    boxes = {stage: gpu_setting(f"{stage}_box") for stage in ("cli", "suite", "fit", "micro", "demo")}
+    boxes = {stage: gpu_setting(f"{stage}_box") for stage in ("cli", "suite", "fit", "micro", "nccl", "demo")}
     assert SETUP_S + sum(boxes.values()) <= TOTAL_S, boxes
-    for stage in ("cli", "suite", "fit"):  # a stage's own budget ends it before its box kills it
+    for stage in ("cli", "suite", "fit", "nccl"):  # a stage's own budget ends it before its box kills it
         assert gpu_setting(f"{stage}_budget") < boxes[stage], stage
     assert gpu_setting("demo_s") + 10 < boxes["demo"]
 
 
-@pytest.mark.slow  # every stage on the CPU: four tasks' CLIs, the suite, four paper-recipe fits, the demo
+@pytest.mark.slow  # every stage on the CPU: four tasks' CLIs, the suite, four paper-recipe fits, nccl, the demo
 def test_all_stages_pass_tiny_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(SCRIPT), "all", str(out), "--tiny"], cwd=REPO,
@@ -47,11 +47,16 @@ def test_all_stages_pass_tiny_on_the_cpu(tmp_path):
     assert not (out / "failed_cells.log").exists()
 
     summary = (out / "summary.md").read_text()
-    for stage in ("cli", "suite", "fit", "micro", "demo"):
+    for stage in ("cli", "suite", "fit", "micro", "nccl", "demo"):
         assert re.search(rf"^\| {stage} \| none \| \d+ \| 0 \|$", summary, re.M), summary[:2000]
     assert re.search(r"^\| setup \(the cold start[^|]*\| none \| \d+ \| 0 \|$", summary, re.M), summary[:2000]
     assert summary.startswith("# GPU check")  # no headline row missing
     assert "## cli: gpu_cli.md" in summary and "## demo: demo.md" in summary
+    # the nccl stage: the suite's ddp process group verified with gloo, NCCL's rows skipped; its JSON in the log only
+    assert re.search(r"^\| `fit --trainer.strategy ddp`, 1 rank[^|]*\| gloo, 600 s [^|]*\| gloo, 600.0 s [^|]*\| ok \|$",
+                     summary, re.M), summary[-3000:]
+    assert "| watchdog | - | - | skipped: needs CUDA (NCCL): --tiny |" in summary
+    assert not (out / "gpu_nccl.json").exists() and '"check": "strategy"' in (out / "all.log").read_text()
 
     cells = {(r["task"], r["cell"]): r for r in json.loads((out / "gpu_cli.json").read_text())["rows"]}
     for task in ("classify", "detect", "segment", "translate"):
