@@ -36,10 +36,12 @@
 #              COLLECTIVE_TIMEOUT (tasks/cli/sharding.py), beside two children whose all_reduce is stuck past a
 #              3 s timeout behind a spinning kernel: with TORCH_NCCL_ASYNC_ERROR_HANDLING unset (torch's default)
 #              the watchdog must end one, non-zero, with its timeout line; with 0 the other must keep running.
-#              An estimate until a GPU has run it: ~15 s (the fit's start-up; the children queue at ~6 s).
+#              A check that fails, or that the budget cut (a watchdog slower than ~10 s past the timeout), fails
+#              the stage; its table names it. An estimate until a GPU has run it: ~15 s (the fit's start-up;
+#              the children queue at ~6 s).
 #   demo   40  benchmarks/gpu_fit.py --demo 28: `python -m tasks.detect fit`, alone, 28 s of fitting after
-#              ~10 s of start-up (50 s before the nccl stage took 25 s of its box); its it/s beside the 2-core
-#              CPU's (CPU_DEMO below)
+#              ~10 s of start-up (a 65 s box and 50 s of fitting before the nccl stage); its it/s beside the
+#              2-core CPU's (CPU_DEMO below)
 #   total 540 s <= 540. Every stage writes its files as it goes and stops at its box, so a cut run still
 #   reports what finished; a stage never runs past what is left of the 540 s.
 #
