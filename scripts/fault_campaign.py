@@ -19,8 +19,10 @@ resumes each with ``--ckpt_path last``. Each fault ends in one outcome:
 
 `test` faults (``test_output``) kill `test` of the reference checkpoint between its output writers, then run
 it again into the same folder, whose files must equal the reference `test`'s; an interrupted folder that
-holds a ``metrics.json`` and no ``INCOMPLETE.txt`` is counted as ``looks complete`` (outputs that look
-finished but are not).
+holds a ``metrics.json`` and no ``INCOMPLETE.txt`` but not the reference's files is counted as ``looks complete``
+(outputs that look finished but are not). The killed `test` must exit non-zero even when the kill came after
+its last collective, on a rank that writes nothing (``--points test_output:-1:1``: a negative ``n`` counts from
+the end of the point's count).
 
 Usage (the numbers in benchmarks/results_faults.md)::
 
@@ -427,7 +429,7 @@ class Cell:
         ``random_count`` kills at a random moment of the reference's duration; or the ``points`` given,
         ``<kind>:<n>[:<rank>]`` (``n``: the seconds for ``time``, the step of the first kill for ``resume``)."""
         if points:
-            return [self.point(text, i) for i, text in enumerate(points)]
+            return [self.point(text, i, reference) for i, text in enumerate(points)]
         rng = random.Random(f"{seed}-{self.task}-{self.procs}")
         drawn: list[Fault] = []
         steps = reference["counts"]["0"]["step"]
@@ -454,11 +456,15 @@ class Cell:
             fault.index = i
         return drawn
 
-    def point(self, text: str, index: int) -> Fault:
+    def point(self, text: str, index: int, reference: dict) -> Fault:
+        """The fault ``text`` names; a negative ``n`` counts from the end of the reference's count of that point on
+        that rank (``test_output:-1:1``: after rank 1's last output writer)."""
         kind, n, *rank = text.split(":")
         if kind not in KINDS:
             raise ValueError(f"--points {text}: the kind must be one of {', '.join(KINDS)}")
         n, rank = (float(n) if kind == "time" else int(n)), int(rank[0]) if rank else 0
+        if kind != "time" and n < 0:
+            n += reference["counts"][str(rank)].get(kind, 0)
         if kind == "resume":
             return Fault(self.task, self.procs, kind, 0, rank, first_step=n, index=index, streamed=self.streamed)
         return Fault(self.task, self.procs, kind, n, rank, index=index, streamed=self.streamed)
@@ -555,8 +561,10 @@ class Cell:
         if result is None or result.outcome:
             return result or Outcome(asdict(fault), "failure", "test was not killed")
         predictions = self.dir / root / "predictions"
-        # a folder `test` has not finished holds its marker (tasks.outputs.common.INCOMPLETE)
-        looks_complete = (predictions / "metrics.json").is_file() and not (predictions / "INCOMPLETE.txt").is_file()
+        # a folder `test` has not finished holds its marker (tasks.outputs.common.INCOMPLETE); one killed after its
+        # last file (a rank that writes nothing, killed after the last collective) is complete: the reference's files
+        looks_complete = ((predictions / "metrics.json").is_file() and not (predictions / "INCOMPLETE.txt").is_file()
+                          and folder_digest(predictions) != reference["test_files"])
         code, info, run = self.run("test", root, extra=("--ckpt_path", ckpt), log=f"{root}.again.log")
         if code != 0:
             result.outcome = "hang" if code is None else "failure"

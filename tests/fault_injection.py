@@ -18,6 +18,8 @@ Points (``n`` counts from 0 over the whole run, on the rank ``rank``, default 0)
   group's rendezvous, before any callback's ``setup``: its peers wait in it; rank 0 hosts its TCPStore);
 - ``resume:0``      inside the first optimizer step after a resume (``--ckpt_path``), after its backward;
 - ``test_output:n`` during `test`'s writers, after the first ``n`` output callbacks (tasks.outputs) have written;
+- ``exit:0``        as the rank's interpreter exits, after its command has ended (after the run's last collective:
+  no peer waits on it);
 - ``worker:n``      before step ``n``, one of the process's loader workers is SIGKILLed (what the OOM killer does
   to the largest process: often a worker holding decoded images); the process itself goes on.
 
@@ -26,6 +28,7 @@ rank (``<file>.rank<r>``, JSON), from which the campaign draws its points.
 """
 from __future__ import annotations
 
+import atexit
 import io
 import json
 import os
@@ -37,7 +40,7 @@ from lightning.pytorch import Callback
 from layers.compat import weight_averaging_model
 
 POINTS = ("step", "backward", "optimizer", "validation", "checkpoint", "rename", "ema", "allreduce", "rendezvous",
-          "resume", "test_output", "worker")
+          "resume", "test_output", "worker", "exit")
 
 
 def parse_fault(text: str) -> tuple[str, int, int]:
@@ -74,6 +77,9 @@ class FaultInjector(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.armed = self.point is not None and trainer.global_rank == self.rank
+        if self.armed and self.point == "exit" and self.counts["exit"] == 0:
+            self.counts["exit"] = 1
+            atexit.register(die)
         self._wrap_checkpoint_io(trainer)
         self._wrap_library_calls()
 

@@ -4,7 +4,9 @@ tasks.cli.preemption.PeerWatch), exits non-zero, prints the command that resumes
 ``last.ckpt`` is whole and the resume ends where an uninterrupted run ends."""
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ from tests.conftest import REPO, clean_env
 from tests.test_contract import QUIET, SHAPE_OVERRIDE, TINY, assert_resumed_equals_straight
 
 sys.path.insert(0, str(REPO / "scripts"))
-from fault_campaign import PEER_BOUND_S, Run  # noqa: E402
+from fault_campaign import PEER_BOUND_S, Run, folder_digest  # noqa: E402
+from fault_campaign import test_arguments as evaluation_arguments  # noqa: E402  (not a test)
 
 RUN = [*TINY["classify"], *SHAPE_OVERRIDE["classify"], *QUIET, "--trainer.devices", "2", "--trainer.strategy", "ddp",
        "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "1",
@@ -86,6 +89,63 @@ def test_a_resume_killed_inside_the_rendezvous_prints_the_resume_command(tmp_pat
         "--trainer.default_root_dir", str(tmp_path / "run"), "--ckpt_path", "last"]
     assert last.read_bytes() == before
     assert not [p.name for p in last.parent.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_at_the_end_of_test_fails_the_command_and_names_what_is_complete(tmp_path):
+    """Fault campaign round four: rank 1 of a 2-process `test` SIGKILLed after its last output writer, where no
+    peer waited on it any more, and the command exited 0 (Lightning's launcher does not wait for the ranks it
+    started). Now, killed there, rank 0 fails in the barrier before the folder is marked finished, so
+    ``INCOMPLETE.txt`` stays; killed later, as its interpreter exits, rank 0 waits for it and the command exits 1
+    naming the rank and its signal, with the outputs, all written before, equal to an undisturbed run's."""
+    code, _, log = fit(tmp_path, "fit")
+    assert code == 0, log[-3000:]
+    ckpt = str(tmp_path / "fit" / "checkpoints" / "last.ckpt")
+
+    def test(root: str, **env: str):
+        args = ["test", *evaluation_arguments("classify"), "--trainer.devices", "2", "--trainer.strategy", "ddp",
+                "--ckpt_path", ckpt, "--trainer.default_root_dir", root]
+        run = Run("classify", args, tmp_path, clean_env(**env), tmp_path / f"{root}.log", fork=False)
+        code, info = run.wait(timeout=900)
+        return code, run.text()
+
+    counts = tmp_path / "counts"
+    code, log = test("straight", SUITE_FAULT_COUNTS=str(counts))
+    assert code == 0, log[-3000:]
+    last_writer = json.loads(Path(f"{counts}.rank1").read_text())["test_output"] - 1
+    code, log = test("after-writing", SUITE_FAULT=f"test_output:{last_writer}:1")
+    assert code == 1, log[-3000:]
+    assert "rank 0: stopping, another process of this run is gone" in log
+    assert "this test did not finish: its outputs stay marked unfinished; run the command again" in log
+    assert (tmp_path / "after-writing" / "predictions" / "INCOMPLETE.txt").is_file()
+    code, log = test("at-exit", SUITE_FAULT="exit:0:1")
+    assert code == 1, log[-3000:]
+    assert "error: local rank 1 (process" in log and "was killed by SIGKILL, after the run's last collective" in log
+    assert folder_digest(tmp_path / "at-exit" / "predictions") == folder_digest(tmp_path / "straight" / "predictions")
+
+
+def test_a_launched_rank_that_ended_badly_is_named():
+    """What the launching rank reports once its command is done: each rank it started that was killed, exited
+    non-zero or still runs after the wait; a rank that ended with 0 is not named."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from tasks.cli.preemption import launched_ranks_failed
+
+    def started(code: str):
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    procs = [started("pass"), started("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"),
+             started("raise SystemExit(3)"), started("import time; time.sleep(30)")]
+    trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=SimpleNamespace(procs=procs)))
+    try:
+        failed = launched_ranks_failed(trainer, wait_s=5)
+    finally:
+        procs[-1].kill()
+    assert failed == [f"local rank 2 (process {procs[1].pid}) was killed by SIGKILL",
+                      f"local rank 3 (process {procs[2].pid}) exited with code 3",
+                      f"local rank 4 (process {procs[3].pid}) still runs 5 s after rank 0 ended"]
+    assert launched_ranks_failed(SimpleNamespace(strategy=SimpleNamespace(launcher=None))) == []
 
 
 def test_ddp_and_fsdp_get_torchs_nccl_timeout_for_their_collectives():

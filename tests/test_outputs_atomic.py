@@ -144,3 +144,36 @@ def test_predict_into_a_folder_with_an_earlier_runs_files_replaces_them(task, tm
     assert len([p for p in out.rglob("old_*") if p.is_file()]) == len(expected) * 3
     out = lightning_predict(model, data(tmp_path / "second"), tmp_path)
     assert {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} == expected
+
+
+def test_a_folder_stays_unfinished_until_every_rank_has_written_its_files(tmp_path):
+    """Masks are written by the rank that scored them, so rank 0 can be done while another rank still writes, or
+    has died half-way: the marker goes only after every rank has reached the end (a barrier), and stays when one
+    has not (the barrier fails, as gloo's does on a closed connection)."""
+    from types import SimpleNamespace
+
+    from tasks.outputs.common import begin_outputs, finish_outputs
+
+    events = []
+
+    class Strategy:
+        def __init__(self, peer_alive: bool):
+            self.peer_alive = peer_alive
+
+        def barrier(self, name):
+            events.append(name)
+            if name == "outputs-written" and not self.peer_alive:  # the peer died after the outputs began
+                raise RuntimeError("Connection closed by peer")
+
+    for peer_alive in (True, False):
+        folder = tmp_path / f"peer-alive-{peer_alive}"
+        rank0 = SimpleNamespace(global_rank=0, strategy=Strategy(peer_alive))
+        begin_outputs(rank0, folder, "predict")
+        assert (folder / INCOMPLETE).is_file()
+        if peer_alive:
+            finish_outputs(rank0, folder)
+        else:
+            with pytest.raises(RuntimeError, match="closed by peer"):
+                finish_outputs(rank0, folder)
+        assert (folder / INCOMPLETE).is_file() != peer_alive
+    assert events == ["outputs-begun", "outputs-written"] * 2

@@ -26,20 +26,29 @@ others waiting for the group's timeout (:func:`tasks.cli.sharding.watch_peers_be
 the rank prints where the run stands and the command that resumes it, and exits with code 1 at once, from
 inside any collective; it writes nothing (``last.ckpt`` is only ever replaced whole). Ranks on other nodes
 are their launcher's to stop (``srun`` ends a step whose task failed, ``torchrun`` its other workers).
+
+A rank that dies after the run's last collective leaves no peer waiting, and Lightning's launcher does not wait
+for the ranks it started: the command would exit 0 with one of its processes killed. So when the command is done,
+the launching process waits for them and fails with :class:`RankEnded`, naming each that ended non-zero
+(:func:`launched_ranks_failed`); what it wrote is complete, since every rank's share reached it through a
+collective, but the fault (the OOM killer?) is the job's to report.
 """
 from __future__ import annotations
 
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from configs.recipes import CommandLine
+from layers.errors import Refusal
 from tasks.cli.last_checkpoint import validation_or_epoch_end_follows
 
 #: signals that stop `fit` unless the recipe names others (`--preemption.signals`)
@@ -113,6 +122,10 @@ class Preemption(Callback):
         latest = next((c for c in trainer.checkpoint_callbacks if isinstance(c, LatestCheckpoint)), None)
         lines = [f"rank {trainer.global_rank}: stopping, another process of this run is gone ({why}); "
                  "nothing was written on the way out"]
+        if trainer.state.fn != TrainerFn.FITTING:  # `test`, `predict`: their folder keeps its INCOMPLETE.txt
+            what = trainer.state.fn.value
+            lines.append(f"this {what} did not finish: its outputs stay marked unfinished; run the command again")
+            return "\n".join(lines)
         if latest is not None and latest.path.is_file():
             lines.append(f"last checkpoint:  {latest.path.resolve()}{describe_checkpoint(latest.path)}")
             if self.resume_command:
@@ -255,6 +268,33 @@ class PeerWatch(threading.Thread):
                     print(self.summary(why), file=sys.stderr, flush=True)
                 finally:
                     os._exit(1)  # the main thread may sit in a collective that never returns
+
+
+class RankEnded(Refusal):
+    """A rank this process's launcher started ended non-zero after the run's last collective (see the module)."""
+
+
+#: how long the launching process waits, once its command is done, for the ranks it started to exit: they are at
+#: the same point of the run, so they normally follow within seconds (interpreter shutdown)
+RANK_EXIT_WAIT_S = 120.0
+
+
+def launched_ranks_failed(trainer: Trainer, wait_s: float = RANK_EXIT_WAIT_S) -> list[str]:
+    """The ranks Lightning's launcher started from this process (``launcher.procs``; none under ``torchrun`` or
+    SLURM, whose launchers report their own) that ended non-zero, or still run ``wait_s`` after this one finished,
+    each described as ``"local rank 1 (process 1234) was killed by SIGKILL"``."""
+    failed = []
+    for local_rank, proc in enumerate(getattr(trainer.strategy.launcher, "procs", None) or [], start=1):
+        try:
+            code = proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            failed.append(f"local rank {local_rank} (process {proc.pid}) still runs {wait_s:.0f} s after rank 0 ended")
+            continue
+        if code < 0:
+            failed.append(f"local rank {local_rank} (process {proc.pid}) was killed by {signal.Signals(-code).name}")
+        elif code > 0:
+            failed.append(f"local rank {local_rank} (process {proc.pid}) exited with code {code}")
+    return failed
 
 
 def launcher_pid() -> int:

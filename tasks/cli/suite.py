@@ -72,7 +72,7 @@ from tasks.cli.last_checkpoint import LAST_NAME, LatestCheckpoint
 from tasks.cli.links import link_image_size, link_weights
 from tasks.cli.loggers import (SaveConfigToRun, default_logger, link_wandb_runs, logger_summary,
                               route_loggers_to_run_root)
-from tasks.cli.preemption import Preemption, resume_command
+from tasks.cli.preemption import Preemption, RankEnded, launched_ranks_failed, resume_command
 from tasks.cli.progress import LineProgress, RichProgress, stdout_is_terminal
 from tasks.cli.resume import ResumeGuard, RunLock, check_run_root, parse_allowed, resume_settings
 from tasks.cli.runtime import ThreadsFollowLoad, cuda_speed_settings, reuse_freed_memory
@@ -358,15 +358,32 @@ class SuiteCLI(LightningCLI):
                 lines.append(f"last checkpoint:  {Path(ckpt.last_model_path).resolve()}")
         lines += logger_summary(trainer)
         rank_zero_info("\n".join(lines))
+        self.check_launched_ranks()
+
+    def after_validate(self) -> None:
+        self.check_launched_ranks()
 
     def after_test(self) -> None:
         if self.trainer.global_rank == 0:
             rank_zero_info(f"predictions:      {(Path(self.trainer.default_root_dir) / 'predictions').resolve()}")
+        self.check_launched_ranks()
 
     def after_predict(self) -> None:
         if self.trainer.global_rank == 0:
             # standard error: translation's predict may be writing its output to standard output
             print(f"predictions:      {self.model.predict_destination}", file=sys.stderr, flush=True)
+        self.check_launched_ranks()
+
+    def check_launched_ranks(self) -> None:
+        """The command fails when a rank this process launched ended non-zero, even after the run's last
+        collective, where no peer was left waiting on it (tasks/cli/preemption.py)."""
+        failed = launched_ranks_failed(self.trainer)
+        if failed:
+            raise RankEnded(
+                f"{'; '.join(failed)}, after the run's last collective. What rank 0 wrote under "
+                f"{Path(self.trainer.default_root_dir).resolve()} is complete (every rank's share reached it through "
+                "a collective), but a process of this job did not end well: look for its cause (the OOM killer, "
+                "a segfault) before trusting the machine.")
 
 
 def is_launching_rank_zero(trainer: Trainer) -> bool:

@@ -19,7 +19,7 @@ without its numbers.
 
 An output folder never looks finished when it is not (:func:`begin_outputs`): as `test` starts, the
 earlier test's outputs in ``predictions/`` are removed (``predict/`` is kept) and ``INCOMPLETE.txt`` is
-written there; it is removed once every output is written. `predict` does the same in
+written there; it is removed once every rank has written every output. `predict` does the same in
 ``predictions/predict/``. A second run into a run root therefore replaces the first one's outputs (what a
 re-run is for; refusing would make every re-test need a new run root), and one interrupted half-way leaves
 its partial files under ``INCOMPLETE.txt``, never beside an earlier run's ``metrics.json``. ``metrics.json``
@@ -97,7 +97,11 @@ def begin_outputs(trainer: Trainer, folder: Path, what: str, keep: tuple[str, ..
 
 
 def finish_outputs(trainer: Trainer, folder: Path) -> None:
-    """Every output of the run is written: rank 0 removes :data:`INCOMPLETE` from ``folder``."""
+    """Every output of the run is written: rank 0 removes :data:`INCOMPLETE` from ``folder``, once every rank
+    is here. A writer of per-image files (the masks) writes on the rank that scored the image, so another rank
+    may still be writing, or may have died half-way, when rank 0 is done: then the barrier fails and the marker
+    stays."""
+    trainer.strategy.barrier("outputs-written")
     if trainer.global_rank == 0:
         (folder / INCOMPLETE).unlink(missing_ok=True)
 
