@@ -114,6 +114,7 @@ def stuck_child(timeout_s: float, spin_s: float, store: str) -> None:
     import torch
     import torch.distributed as dist
 
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file from the abort that the watchdog's teardown is
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     # torch.cuda._sleep spins a number of clock cycles: count how many make a second on this GPU, between two CUDA
@@ -148,9 +149,7 @@ def watch_stuck_child(work: Path, name: str, env: dict, window_s: float, deadlin
     store.unlink(missing_ok=True)
     command = command or [sys.executable, str(Path(__file__).resolve()), "--stuck-child", "--store", str(store)]
     with open(work / f"{name}.out", "w+") as out, open(work / f"{name}.err", "w+") as err:
-        # no core file from the abort the watchdog's teardown is
-        child = subprocess.Popen(command, cwd=work, env=env, stdout=out, stderr=err,
-                                 preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))
+        child = subprocess.Popen(command, cwd=work, env=env, stdout=out, stderr=err)
         queued, killed = None, False
         while child.poll() is None:
             now = time.monotonic()
