@@ -30,7 +30,7 @@ def cli_threads() -> int:
     """Torch threads for a CLI run of the tests, and for a pytest-xdist worker itself: the cores shared out over
     the workers (2 cores, ``-n 2``: 1 each), so that two runs side by side never hold more threads than cores.
     OpenMP threads that wait at a barrier for a descheduled peer spin: with 2 threads per run under ``-n 2``
-    the same four test files took 1.4x the wall time and 1.8x the CPU time (benchmarks/RESULTS.md, "Test run").
+    the same four test files took 1.4-1.6x the wall time and 1.5-1.8x the CPU time (benchmarks/RESULTS.md, "Test run").
     ``OMP_NUM_THREADS`` set by the caller wins."""
     cores = len(os.sched_getaffinity(0))
     return max(1, cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
