@@ -9,7 +9,7 @@ and the NCCL watchdog that acts on it.
    on ``setup`` the process group's backend and the timeout its backend holds. Expected: ``nccl`` on a GPU
    (``gloo`` with ``--tiny``) and ``tasks.cli.sharding.COLLECTIVE_TIMEOUT``.
 2. ``watchdog``: a child process makes a one-rank NCCL group with a ``STUCK_TIMEOUT_S`` timeout, queues a GPU
-   kernel that spins far longer (``torch.cuda._sleep``, as torch's distributed tests stall a stream) and an
+   kernel that spins far longer (``layers.compat.spin_cuda_stream``, as torch's distributed tests stall a stream) and an
    ``all_reduce`` behind it, then waits for the device. With ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` unset, as the
    suite runs (torch's default), the watchdog must end the process, non-zero, within ``MARGIN_S`` of the timeout,
    printing its timeout line.
@@ -114,15 +114,17 @@ def stuck_child(timeout_s: float, spin_s: float, store: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from layers.compat import spin_cuda_stream
+
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file from the abort that the watchdog's teardown is
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    # torch.cuda._sleep spins a number of clock cycles: count how many make a second on this GPU, between two CUDA
-    # events (as torch.testing._internal.common_utils.get_cycles_per_ms does)
-    torch.cuda._sleep(1000)
+    # the spin is counted in clock cycles: time how many make a second on this GPU between two CUDA events (the
+    # calibration torch's own test utilities do)
+    spin_cuda_stream(1000)
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
-    torch.cuda._sleep(100_000_000)
+    spin_cuda_stream(100_000_000)
     end.record()
     torch.cuda.synchronize()
     cycles_per_s = 100_000_000 / (begin.elapsed_time(end) / 1e3)
@@ -131,7 +133,7 @@ def stuck_child(timeout_s: float, spin_s: float, store: str) -> None:
     probe = torch.ones(1, device=device)
     dist.all_reduce(probe)  # a collective that completes: NCCL itself works
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(spin_s * cycles_per_s))
+    spin_cuda_stream(int(spin_s * cycles_per_s))
     dist.all_reduce(probe)  # waits on the stream behind the spinning kernel: past its timeout
     print(f"{QUEUED} ({cycles_per_s / 1e9:.2f} G cycles/s, a {spin_s:.0f} s spin)", flush=True)
     torch.cuda.synchronize()

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch.distributed as dist
 from lightning.pytorch import Callback
 
+from layers.compat import process_group_timeout, strategy_timeout
+
 
 class ProcessGroupProbe(Callback):
     """Writes ``{initialized, strategy, strategy_timeout_s, backend, world_size, process_group_timeout_s}`` to
@@ -18,14 +20,12 @@ class ProcessGroupProbe(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         strategy = trainer.strategy
-        timeout = getattr(strategy, "_timeout", None)  # Lightning's DDPStrategy keeps it there, with no property
+        timeout = strategy_timeout(strategy)
         row = {"initialized": dist.is_initialized(), "strategy": type(strategy).__name__,
                "strategy_timeout_s": timeout.total_seconds() if timeout is not None else None}
         if dist.is_initialized():
-            # torch has no public getter for a group's timeout (``dist.set_timeout`` only sets it): read it from the
-            # backend's options, where ProcessGroupNCCL's watchdog (gloo's waits, on CPU) takes it from -- what the
-            # check is about, rather than the value the strategy meant to pass
-            backend = dist.group.WORLD._get_backend(strategy.root_device)
+            # the group's own timeout, where NCCL's watchdog (gloo's waits, on CPU) takes it from: what the check is
+            # about, rather than the value the strategy meant to pass
             row.update(backend=dist.get_backend(), world_size=dist.get_world_size(),
-                       process_group_timeout_s=backend.options._timeout.total_seconds())
+                       process_group_timeout_s=process_group_timeout(strategy.root_device).total_seconds())
         Path(self.output).write_text(json.dumps(row))

@@ -52,6 +52,14 @@ PRIVATE_NAMES = [
      "tasks.export.aoti: ... and the loader that runs a package back for the parity checks"),
     ("torch.nn.modules.batchnorm", "_BatchNorm",
      "layers.compat.is_batchnorm: which layers normalise with the batch's statistics while training"),
+    ("torch.cuda", "_sleep",
+     "layers.compat.spin_cuda_stream: benchmarks/gpu_nccl.py holds a stream busy past a collective's timeout"),
+    ("torch.distributed", "ProcessGroup._get_backend",
+     "layers.compat.process_group_timeout: the backend whose options hold a process group's timeout"),
+    ("torch._C._distributed_c10d", "Backend.Options._timeout",
+     "layers.compat.process_group_timeout: ... the timeout itself, which NCCL's watchdog reads"),
+    ("lightning.pytorch.strategies", "DDPStrategy._timeout",
+     "layers.compat.strategy_timeout: the timeout a DDP or FSDP strategy gives its process group"),
 ]
 
 
@@ -159,6 +167,29 @@ def loss_scale_state(scaler) -> tuple:
     ``scale()``, which ``update()`` rewrites on the device. ``get_scale()`` reads the scale on the host (a sync)
     and nothing public writes it back without one."""
     return scaler._scale, scaler._growth_tracker
+
+
+def spin_cuda_stream(cycles: int) -> None:
+    """Queue a kernel on the current CUDA stream that spins ``cycles`` GPU clock cycles: what torch's own
+    distributed tests use to hold a stream busy (a collective queued behind it cannot finish). No public op
+    occupies a stream for a chosen time."""
+    import torch
+
+    torch.cuda._sleep(cycles)
+
+
+def process_group_timeout(device) -> "timedelta":
+    """The timeout of the default process group's backend for ``device``: the value NCCL's watchdog (and gloo's
+    waits) act on. torch sets it publicly (``dist.set_timeout``) but has no getter."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD._get_backend(device).options._timeout
+
+
+def strategy_timeout(strategy) -> "timedelta | None":
+    """The process-group timeout a Lightning DDP or FSDP strategy was given (``None`` for other strategies);
+    Lightning keeps it without a property."""
+    return getattr(strategy, "_timeout", None)
 
 
 def is_batchnorm(module) -> bool:
