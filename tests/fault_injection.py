@@ -178,7 +178,6 @@ class FaultInjector(Callback):
         counted_all_reduce._fault_wrapped = True
         dist.all_reduce = counted_all_reduce
 
-
     def _wrap_rendezvous(self) -> None:
         import torch.distributed as dist
 

@@ -241,7 +241,7 @@ class PeerWatch(threading.Thread):
     @classmethod
     def for_trainer(cls, trainer: Trainer, summary) -> "PeerWatch | None":
         """A started watch for this rank of ``trainer``'s run, ``None`` when there is nothing to watch."""
-        children = list(getattr(trainer.strategy.launcher, "procs", None) or [])
+        children = launched_ranks(trainer)
         parent = launcher_pid() if not children and int(os.environ.get("LOCAL_RANK", "0")) > 0 else None
         if not children and parent in (None, 1):
             return None
@@ -279,12 +279,18 @@ class RankEnded(Refusal):
 RANK_EXIT_WAIT_S = 120.0
 
 
+def launched_ranks(trainer: Trainer) -> list:
+    """The processes of local ranks 1, 2, ... that Lightning's launcher started from this one (``Popen``s); none in
+    the ranks it started, or under ``torchrun`` or SLURM."""
+    return list(getattr(trainer.strategy.launcher, "procs", None) or [])
+
+
 def launched_ranks_failed(trainer: Trainer, wait_s: float = RANK_EXIT_WAIT_S) -> list[str]:
     """The ranks Lightning's launcher started from this process (``launcher.procs``; none under ``torchrun`` or
     SLURM, whose launchers report their own) that ended non-zero, or still run ``wait_s`` after this one finished,
     each described as ``"local rank 1 (process 1234) was killed by SIGKILL"``."""
     failed = []
-    for local_rank, proc in enumerate(getattr(trainer.strategy.launcher, "procs", None) or [], start=1):
+    for local_rank, proc in enumerate(launched_ranks(trainer), start=1):
         try:
             code = proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
